@@ -1,0 +1,16 @@
+"""fairseq user-dir plugin: the Annotated Transformer (harvardnlp) inside fairseq.
+
+``--user-dir fairseq_plugin`` (or ``import fairseq_plugin``) registers with fairseq:
+the model ``annotated_transformer`` and its presets, the criterion ``annotated_label_smoothing``
+and the LR scheduler ``noam``; it also lets torch >= 2.6 load fairseq checkpoints safely.
+"""
+
+from . import checkpoints  # noqa: F401  (first: safe checkpoint loading)
+from .errors import PluginError, install_excepthook
+
+install_excepthook()
+
+from . import criterions, lr_scheduler, models  # noqa: E402,F401
+from .models.annotated_transformer import AnnotatedTransformerModel  # noqa: E402,F401
+
+__version__ = "0.1.0"

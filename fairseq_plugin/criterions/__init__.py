@@ -1,0 +1,1 @@
+from . import annotated_label_smoothing  # noqa: F401

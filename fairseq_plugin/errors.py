@@ -1,0 +1,40 @@
+"""One clear line for bad input.
+
+Errors the user can fix (a bad flag combination, a sentence that is too long, a
+checkpoint that cannot be read) raise :class:`PluginError`; fairseq's own "sentence too long"
+error already names its fix and gets the same treatment. Library callers get a
+normal exception; on the command line (fairseq-train, fairseq-generate, ...) the
+hook below prints only ``fairseq_plugin: error: <what is wrong and how to fix it>``
+instead of a traceback, and exits with status 1.
+"""
+
+import sys
+
+
+class PluginError(ValueError):
+    """A user-facing error whose message says what is wrong and how to fix it."""
+
+
+def is_one_line_error(exc: BaseException) -> bool:
+    """Our own errors, and fairseq's "Size of sample #N is invalid ... skip this example with
+    --skip-invalid-size-inputs-valid-test", which already says what is wrong and how to fix it."""
+    return isinstance(exc, PluginError) or (
+        type(exc) is Exception and str(exc).startswith("Size of sample #"))
+
+
+def _print_plugin_errors_as_one_line(previous_hook):
+    def hook(exc_type, exc, tb):
+        if is_one_line_error(exc):
+            sys.stderr.write(f"fairseq_plugin: error: {exc}\n")
+            sys.stderr.flush()
+        else:
+            previous_hook(exc_type, exc, tb)
+
+    hook.fairseq_plugin_hook = True
+    return hook
+
+
+def install_excepthook():
+    """Make uncaught :class:`PluginError` print one line (idempotent)."""
+    if not getattr(sys.excepthook, "fairseq_plugin_hook", False):
+        sys.excepthook = _print_plugin_errors_as_one_line(sys.excepthook)

@@ -1,0 +1,1 @@
+from . import noam  # noqa: F401

@@ -1,0 +1,1 @@
+from . import annotated_transformer  # noqa: F401

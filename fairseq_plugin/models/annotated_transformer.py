@@ -1,0 +1,355 @@
+"""The Annotated Transformer as a fairseq encoder-decoder model, and its arch presets.
+
+"Most competitive neural sequence transduction models have an encoder-decoder structure. Here,
+the encoder maps an input sequence of symbol representations (x_1, ..., x_n) to a sequence of
+continuous representations z = (z_1, ..., z_n). Given z, the decoder then generates an output
+sequence (y_1, ..., y_m) of symbols one element at a time." (Vaswani et al. 2017, section 3)
+
+Tensors are batch-first: B batch, S source length, T target length, d d_model.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+from fairseq import utils
+from fairseq.models import (
+    FairseqEncoder,
+    FairseqEncoderDecoderModel,
+    FairseqIncrementalDecoder,
+    register_model,
+    register_model_architecture,
+)
+from torch import Tensor, nn
+
+from ..errors import PluginError
+from ..modules.attention import MultiHeadedAttention
+from ..modules.embeddings import (
+    EmbeddingLayer,
+    Embeddings,
+    Generator,
+    LearnedPositionalEncoding,
+    SinusoidalPositionalEncoding,
+    positions_of,
+)
+from ..modules.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
+
+DEFAULT_MAX_POSITIONS = 1024
+
+
+def _positional(args, d_model: int, max_positions: int, learned: bool) -> Optional[nn.Module]:
+    if args.no_token_positional_embeddings:
+        return None
+    if learned:
+        return LearnedPositionalEncoding(d_model, max_positions)
+    return SinusoidalPositionalEncoding(d_model, max_positions)
+
+
+def _feed_forward(args, d_model: int, d_ff: int) -> PositionwiseFeedForward:
+    return PositionwiseFeedForward(
+        d_model, d_ff, utils.get_activation_fn(args.activation_fn), args.activation_dropout)
+
+
+class AnnotatedTransformerEncoder(FairseqEncoder):
+    """"The encoder is composed of a stack of N identical layers." (section 3.1)"""
+
+    def __init__(self, args, dictionary, embeddings: Embeddings):
+        super().__init__(dictionary)
+        d = args.encoder_embed_dim
+        self.padding_idx = dictionary.pad()
+        self.embed = EmbeddingLayer(
+            embeddings, _positional(args, d, args.max_source_positions, args.encoder_learned_pos),
+            args.dropout, side="source")
+        self.layers = nn.ModuleList([
+            EncoderLayer(
+                d,
+                MultiHeadedAttention(args.encoder_attention_heads, d, args.attention_dropout,
+                                     self_attention=True, flag_prefix="encoder"),
+                _feed_forward(args, d, args.encoder_ffn_embed_dim),
+                args.dropout, args.encoder_normalize_before)
+            for _ in range(args.encoder_layers)])
+        self.norm = nn.LayerNorm(d) if args.encoder_normalize_before else None
+        self.max_source_positions = args.max_source_positions
+
+    def forward(self, src_tokens: Tensor, src_lengths: Optional[Tensor] = None,
+                return_all_hiddens: bool = False, **unused):
+        """src_tokens (B, S) -> {"encoder_out": [(B, S, d)], "encoder_padding_mask": [(B, S)], ...}"""
+        padding_mask = src_tokens.eq(self.padding_idx)  # (B, S), True at padding
+        mask = padding_mask if padding_mask.any() else None
+        x = self.embed(src_tokens, positions_of(src_tokens, self.padding_idx))
+        states = [x] if return_all_hiddens else []
+        for layer in self.layers:
+            x = layer(x, mask)
+            if return_all_hiddens:
+                states.append(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        return {
+            "encoder_out": [x],  # (B, S, d): batch-first, unlike fairseq's transformer
+            "encoder_padding_mask": [padding_mask],
+            "encoder_states": states,
+            # the source sentence each row holds; beam search repeats rows (see attention.py)
+            "sentence_ids": [torch.arange(src_tokens.size(0), device=src_tokens.device)],
+            "src_lengths": [src_lengths] if src_lengths is not None else [],
+        }
+
+    @torch.jit.unused
+    def reorder_encoder_out(self, encoder_out: Dict[str, List[Tensor]], new_order: Tensor):
+        """Row i of the result is row new_order[i] of encoder_out (beam expansion, finished
+        sentences leaving the batch)."""
+        return {key: [t.index_select(0, new_order) for t in value]
+                for key, value in encoder_out.items()}
+
+    def max_positions(self) -> int:
+        return self.max_source_positions if self.embed.positional is not None else int(1e6)
+
+
+class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
+    """"The decoder is also composed of a stack of N identical layers." (section 3.1)
+
+    With fairseq's ``incremental_state`` it decodes one token per call, reusing cached keys and
+    values, as beam search does; without it, it runs teacher-forced over the whole prefix.
+    """
+
+    def __init__(self, args, dictionary, embeddings: Embeddings, output_weight=None):
+        super().__init__(dictionary)
+        d = args.decoder_embed_dim
+        self.padding_idx = dictionary.pad()
+        self.embed = EmbeddingLayer(
+            embeddings, _positional(args, d, args.max_target_positions, args.decoder_learned_pos),
+            args.dropout, side="target")
+        self.layers = nn.ModuleList([
+            DecoderLayer(
+                d,
+                MultiHeadedAttention(args.decoder_attention_heads, d, args.attention_dropout,
+                                     self_attention=True, flag_prefix="decoder"),
+                MultiHeadedAttention(args.decoder_attention_heads, d, args.attention_dropout,
+                                     self_attention=False, flag_prefix="decoder",
+                                     memory_dim=args.encoder_embed_dim),
+                _feed_forward(args, d, args.decoder_ffn_embed_dim),
+                args.dropout, args.decoder_normalize_before)
+            for _ in range(args.decoder_layers)])
+        self.norm = nn.LayerNorm(d) if args.decoder_normalize_before else None
+        self.generator = Generator(d, len(dictionary), output_weight)
+        self.max_target_positions = args.max_target_positions
+        # return the source attention outside training (fairseq-generate turns it off unless
+        # --print-alignment, through make_generation_fast_)
+        self.need_attn = True
+
+    def forward(
+        self,
+        prev_output_tokens: Tensor,
+        encoder_out: Optional[Dict[str, List[Tensor]]] = None,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        features_only: bool = False,
+        alignment_layer: Optional[int] = None,
+        alignment_heads: Optional[int] = None,
+        src_lengths: Optional[Tensor] = None,
+        return_all_hiddens: bool = False,
+        **unused,
+    ):
+        """prev_output_tokens (B, T) -> logits (B, T, V) (T = 1 with incremental_state) and
+        {"attn": [source attention (B, T, S) averaged over heads, or None], "inner_states": [...]}"""
+        x, extra = self.extract_features(
+            prev_output_tokens, encoder_out, incremental_state, alignment_layer, alignment_heads)
+        if not features_only:
+            x = self.output_layer(x)
+        return x, extra
+
+    def extract_features(self, prev_output_tokens, encoder_out, incremental_state=None,
+                         alignment_layer=None, alignment_heads=None, **unused):
+        positions = positions_of(prev_output_tokens, self.padding_idx)
+        if incremental_state is not None:  # only the newest token is new
+            prev_output_tokens = prev_output_tokens[:, -1:]
+            positions = positions[:, -1:]
+        x = self.embed(prev_output_tokens, positions)  # (B, T, d)
+
+        memory = encoder_out["encoder_out"][0]  # (B, S, d_enc)
+        memory_padding_mask = encoder_out["encoder_padding_mask"][0]
+        if not memory_padding_mask.any():
+            memory_padding_mask = None
+        memory_ids = encoder_out["sentence_ids"][0] if encoder_out.get("sentence_ids") else None
+
+        want_attn = alignment_layer is not None or (self.need_attn and not self.training)
+        if alignment_layer is None:
+            alignment_layer = len(self.layers) - 1
+        attn = None
+        inner_states = [x]
+        for i, layer in enumerate(self.layers):
+            x, layer_attn = layer(x, memory, memory_padding_mask, incremental_state,
+                                  need_attn=want_attn and i == alignment_layer,
+                                  memory_ids=memory_ids)
+            inner_states.append(x)
+            if layer_attn is not None:
+                attn = layer_attn
+        if attn is not None:  # (B, h, T, S) -> (B, T, S)
+            if alignment_heads is not None:
+                attn = attn[:, :alignment_heads]
+            attn = attn.mean(dim=1)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x, {"attn": [attn], "inner_states": inner_states}
+
+    def output_layer(self, features: Tensor) -> Tensor:
+        return self.generator(features)
+
+    def max_positions(self) -> int:
+        return self.max_target_positions if self.embed.positional is not None else int(1e6)
+
+    def make_generation_fast_(self, need_attn: bool = False, **unused):
+        self.need_attn = need_attn
+
+
+@register_model("annotated_transformer")
+class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
+    """The Annotated Transformer (harvardnlp) inside fairseq.
+
+    Flags keep the names and meanings of fairseq's ``transformer`` wherever the concept is the
+    same; the one difference in defaults is pre-LN (the notebook's "norm first"), see --post-norm.
+    """
+
+    @staticmethod
+    def add_args(parser):
+        a = parser.add_argument
+        a("--activation-fn", choices=utils.get_available_activation_fns(),
+          help="activation function of the position-wise feed-forward network")
+        a("--dropout", type=float, metavar="D", help="dropout probability")
+        a("--attention-dropout", type=float, metavar="D",
+          help="dropout probability on attention weights")
+        a("--activation-dropout", "--relu-dropout", type=float, metavar="D",
+          help="dropout probability after the activation in the feed-forward network")
+        for side in ("encoder", "decoder"):
+            a(f"--{side}-embed-dim", type=int, metavar="N", help=f"{side} d_model")
+            a(f"--{side}-ffn-embed-dim", type=int, metavar="N", help=f"{side} d_ff")
+            a(f"--{side}-layers", type=int, metavar="N", help=f"number of {side} layers (N)")
+            a(f"--{side}-attention-heads", type=int, metavar="N", help=f"{side} attention heads (h)")
+            a(f"--{side}-normalize-before", action="store_true",
+              help=f"pre-LN in the {side} (already the default here; accepted for fairseq "
+                   "compatibility; conflicts with --post-norm)")
+            a(f"--{side}-learned-pos", action="store_true",
+              help=f"learned instead of sinusoidal positions in the {side}")
+        a("--post-norm", action="store_true",
+          help="the paper's post-LN sub-layers, LayerNorm(x + Sublayer(x)), in both stacks "
+               "(default: the Annotated Transformer's pre-LN, x + Sublayer(LayerNorm(x)), "
+               "with a final LayerNorm)")
+        a("--share-decoder-input-output-embed", action="store_true",
+          help="share the decoder input embeddings with the generator (output projection)")
+        a("--share-all-embeddings", action="store_true",
+          help="share source, target and output embeddings (needs a joined dictionary: "
+               "fairseq-preprocess --joined-dictionary)")
+        a("--no-token-positional-embeddings", action="store_true",
+          help="add no positional encodings")
+        a("--no-scale-embedding", action="store_true",
+          help="do not multiply embeddings by sqrt(d_model)")
+
+    @classmethod
+    def build_model(cls, args, task):
+        base_architecture(args)
+        _check_layer_norm_flags(args)
+        src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+        scale = not args.no_scale_embedding
+        if args.share_all_embeddings:
+            if src_dict != tgt_dict:
+                raise PluginError(
+                    "--share-all-embeddings needs a joined dictionary, but the source and target "
+                    "dictionaries differ; preprocess with fairseq-preprocess --joined-dictionary "
+                    "or drop --share-all-embeddings")
+            if args.encoder_embed_dim != args.decoder_embed_dim:
+                raise PluginError(
+                    f"--share-all-embeddings needs --encoder-embed-dim ({args.encoder_embed_dim}) "
+                    f"equal to --decoder-embed-dim ({args.decoder_embed_dim})")
+            src_embed = Embeddings(len(src_dict), args.encoder_embed_dim, src_dict.pad(), scale)
+            tgt_embed = src_embed
+            args.share_decoder_input_output_embed = True
+        else:
+            src_embed = Embeddings(len(src_dict), args.encoder_embed_dim, src_dict.pad(), scale)
+            tgt_embed = Embeddings(len(tgt_dict), args.decoder_embed_dim, tgt_dict.pad(), scale)
+        output_weight = tgt_embed.lut.weight if args.share_decoder_input_output_embed else None
+        encoder = AnnotatedTransformerEncoder(args, src_dict, src_embed)
+        decoder = AnnotatedTransformerDecoder(args, tgt_dict, tgt_embed, output_weight)
+        model = cls(encoder, decoder)
+        model.init_parameters_()
+        return model
+
+    def init_parameters_(self):
+        """The notebook's initialisation: Glorot / fan_avg uniform for every matrix.
+
+        Fused projections are initialised block by block, as the separate matrices W^Q, W^K,
+        W^V of the notebook would be. Padding embeddings stay zero.
+        """
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue
+            d_in = p.size(1)
+            blocks = p.size(0) // d_in if name.endswith(("qkv_proj.weight", "kv_proj.weight")) else 1
+            with torch.no_grad():
+                for block in p.view(blocks, -1, d_in):
+                    nn.init.xavier_uniform_(block)
+        for module in self.modules():
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[module.padding_idx].zero_()
+
+
+def _check_layer_norm_flags(args):
+    if args.post_norm and (args.encoder_normalize_before_flag or args.decoder_normalize_before_flag):
+        raise PluginError(
+            "--post-norm conflicts with --encoder-normalize-before/--decoder-normalize-before; "
+            "use --post-norm for the paper's post-LN or drop it for pre-LN")
+
+
+# ---------------------------------------------------------------------------------------------
+# Arch presets, registered next to the model. Each fills only what the user did not set.
+# ---------------------------------------------------------------------------------------------
+
+def _defaults(args, **values):
+    """Set each attribute the user did not give (None or missing)."""
+    for name, value in values.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
+@register_model_architecture("annotated_transformer", "annotated_transformer")
+def base_architecture(args):
+    """The paper's base model: N=6, d_model=512, d_ff=2048, h=8, P_drop=0.1."""
+    _defaults(args, encoder_embed_dim=512, encoder_ffn_embed_dim=2048, encoder_layers=6,
+              encoder_attention_heads=8)
+    _defaults(args, decoder_embed_dim=args.encoder_embed_dim,
+              decoder_ffn_embed_dim=args.encoder_ffn_embed_dim, decoder_layers=6,
+              decoder_attention_heads=8)
+    _defaults(args, dropout=0.1, attention_dropout=0.0, activation_dropout=0.0,
+              activation_fn="relu", max_source_positions=DEFAULT_MAX_POSITIONS,
+              max_target_positions=DEFAULT_MAX_POSITIONS)
+    for flag in ("encoder_learned_pos", "decoder_learned_pos", "post_norm",
+                 "share_decoder_input_output_embed", "share_all_embeddings",
+                 "no_token_positional_embeddings", "no_scale_embedding"):
+        setattr(args, flag, bool(getattr(args, flag, False)))
+    # pre-LN unless --post-norm; remember what the user asked for, to catch conflicts
+    for side in ("encoder", "decoder"):
+        if getattr(args, f"{side}_normalize_before_flag", None) is None:
+            setattr(args, f"{side}_normalize_before_flag",
+                    bool(getattr(args, f"{side}_normalize_before", False)))
+        setattr(args, f"{side}_normalize_before", not args.post_norm)
+
+
+@register_model_architecture("annotated_transformer", "annotated_transformer_iwslt_de_en")
+def annotated_transformer_iwslt_de_en(args):
+    """Like fairseq's transformer_iwslt_de_en: 6+6 layers, d_model 512, d_ff 1024, 4 heads."""
+    _defaults(args, encoder_embed_dim=512, encoder_ffn_embed_dim=1024, encoder_attention_heads=4,
+              decoder_attention_heads=4)
+    base_architecture(args)
+
+
+@register_model_architecture("annotated_transformer", "annotated_transformer_big")
+def annotated_transformer_big(args):
+    """The paper's big model: d_model 1024, d_ff 4096, h=16, P_drop 0.3."""
+    _defaults(args, encoder_embed_dim=1024, encoder_ffn_embed_dim=4096, encoder_attention_heads=16,
+              decoder_attention_heads=16, dropout=0.3)
+    base_architecture(args)
+
+
+@register_model_architecture("annotated_transformer", "annotated_transformer_tiny")
+def annotated_transformer_tiny(args):
+    """Small and fast, for tests and sanity tasks: 2+2 layers, d_model 64, d_ff 256, 4 heads."""
+    _defaults(args, encoder_embed_dim=64, encoder_ffn_embed_dim=256, encoder_layers=2,
+              decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4)
+    base_architecture(args)

@@ -1,0 +1,8 @@
+from .attention import MultiHeadedAttention, attention_reference, causal_mask  # noqa: F401
+from .embeddings import (  # noqa: F401
+    Embeddings,
+    Generator,
+    LearnedPositionalEncoding,
+    SinusoidalPositionalEncoding,
+)
+from .layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward, SublayerConnection  # noqa: F401

@@ -1,0 +1,180 @@
+"""Multi-head attention, as in the Annotated Transformer, with fairseq's incremental state.
+
+"An attention function can be described as mapping a query and a set of key-value pairs to an
+output ... We compute the matrix of outputs as Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V."
+(Vaswani et al. 2017, section 3.2.1)
+
+"Multi-head attention allows the model to jointly attend to information from different
+representation subspaces at different positions." MultiHead(Q, K, V) = Concat(head_1..head_h) W^O
+(section 3.2.2)
+
+Shapes: B batch, T query length, S key length, h heads, d_k = d_model / h.
+"""
+
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from fairseq.incremental_decoding_utils import with_incremental_state
+from torch import Tensor, nn
+
+from ..errors import PluginError
+
+# Since torch 2.5, scaled_dot_product_attention returns zeros for a query whose mask allows no
+# key; older versions return NaN there, so we zero such rows ourselves.
+_SDPA_ZEROES_EMPTY_ROWS = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def check_heads_divide(d_model: int, heads: int, flag_prefix: str) -> None:
+    """d_k = d_model / h must be a whole number."""
+    if heads <= 0 or d_model % heads != 0:
+        raise PluginError(
+            f"--{flag_prefix}-embed-dim {d_model} is not divisible by "
+            f"--{flag_prefix}-attention-heads {heads}; choose a number of heads that divides "
+            f"the model dimension (e.g. {_a_divisor(d_model, heads)})"
+        )
+
+
+def _a_divisor(d_model: int, heads: int) -> int:
+    return max((h for h in range(1, max(heads, 1) + 1) if d_model % h == 0), default=1)
+
+
+def attention_reference(query, key, value, mask=None, dropout=None):
+    """The seed's formula written out: softmax(Q K^T / sqrt(d_k)) V with masked scores.
+
+    query (B, h, T, d_k), key/value (B, h, S, d_k), mask broadcastable to (B, h, T, S) with
+    True where a query may attend. Scores are computed in fp32 and masked with -inf (not -1e9,
+    which overflows fp16); a row with nothing to attend to gets all-zero weights.
+    Returns output (B, h, T, d_k) in the input dtype and weights (B, h, T, S) in fp32.
+    """
+    d_k = query.size(-1)
+    scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) / math.sqrt(d_k)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    p_attn = scores.softmax(dim=-1).nan_to_num(0.0)  # fully masked row: NaN -> 0
+    p_used = dropout(p_attn) if dropout is not None else p_attn
+    return torch.matmul(p_used.to(value.dtype), value), p_attn
+
+
+def causal_mask(query_len: int, key_len: int, device) -> Tensor:
+    """(T, S) boolean, True where query i may attend to key j: j <= i + (S - T).
+
+    "We ... modify the self-attention sub-layer in the decoder stack to prevent positions from
+    attending to subsequent positions." (section 3.1) The offset S - T is the number of cached
+    earlier positions during incremental decoding.
+    """
+    return torch.ones(query_len, key_len, dtype=torch.bool, device=device).tril(key_len - query_len)
+
+
+@with_incremental_state
+class MultiHeadedAttention(nn.Module):
+    """Multi-head attention over h heads of size d_k = d_model / h.
+
+    ``self_attention=True`` projects Q, K and V from one input with one fused matrix (the
+    concatenation of W^Q, W^K, W^V, as in nanoGPT's ``c_attn``); during incremental decoding it
+    caches K and V and appends one step at a time. Otherwise it is encoder-decoder attention:
+    "the queries come from the previous decoder layer, and the memory keys and values come from
+    the output of the encoder" (section 3.2.3); K and V are projected once per sentence and reused.
+    """
+
+    def __init__(self, heads: int, d_model: int, dropout: float = 0.0, self_attention: bool = True,
+                 flag_prefix: str = "encoder", memory_dim: Optional[int] = None):
+        super().__init__()
+        check_heads_divide(d_model, heads, flag_prefix)
+        self.h = heads
+        self.d_k = d_model // heads
+        self.self_attention = self_attention
+        if self_attention:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)  # [W^Q; W^K; W^V]
+        else:
+            self.q_proj = nn.Linear(d_model, d_model)  # W^Q
+            self.kv_proj = nn.Linear(memory_dim or d_model, 2 * d_model)  # [W^K; W^V]
+        self.out_proj = nn.Linear(d_model, d_model)  # W^O
+        self.dropout = nn.Dropout(dropout)  # on the attention probabilities
+
+    def _heads(self, x: Tensor, n: int):
+        """(B, L, n * d_model) -> n tensors (B, h, L, d_k)."""
+        B, L, _ = x.shape
+        return x.view(B, L, n, self.h, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def forward(
+        self,
+        query: Tensor,
+        memory: Optional[Tensor] = None,
+        key_padding_mask: Optional[Tensor] = None,
+        causal: bool = False,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        need_weights: bool = False,
+        memory_ids: Optional[Tensor] = None,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """query (B, T, d_model); memory (B, S, d_model) for encoder-decoder attention;
+        key_padding_mask (B, S), True at padding; memory_ids (B,) the sentence each memory row
+        holds (lets beam search keep the static K/V without copies).
+        Returns (B, T, d_model) and, if need_weights, the attention weights (B, h, T, S)."""
+        B, T, _ = query.shape
+        cache = self.get_incremental_state(incremental_state, "kv") if incremental_state is not None else None
+        if self.self_attention:
+            q, k, v = self._heads(self.qkv_proj(query), 3)
+            if incremental_state is not None:
+                if cache is not None:  # append this step to the cached history
+                    k = torch.cat([cache["k"], k], dim=2)
+                    v = torch.cat([cache["v"], v], dim=2)
+                self.set_incremental_state(incremental_state, "kv", {"k": k, "v": v})
+        else:
+            (q,) = self._heads(self.q_proj(query), 1)
+            if cache is not None:  # static K/V: projected at the first step
+                k, v = cache["k"], cache["v"]
+            else:
+                k, v = self._heads(self.kv_proj(memory), 2)
+                if incremental_state is not None:
+                    self.set_incremental_state(
+                        incremental_state, "kv", {"k": k, "v": v, "ids": memory_ids})
+        S = k.size(2)
+
+        mask = None  # (B or 1, 1, T or 1, S), True = may attend
+        if key_padding_mask is not None:
+            mask = ~key_padding_mask[:, None, None, :]
+        use_is_causal = False
+        if causal and T > 1:
+            if mask is None and S == T:
+                use_is_causal = True
+            else:
+                cm = causal_mask(T, S, query.device)
+                mask = cm if mask is None else mask & cm
+
+        if need_weights:  # the explicit formula, for alignments and heat-maps
+            if use_is_causal:
+                mask = causal_mask(T, S, query.device)
+            out, weights = attention_reference(q, k, v, mask, self.dropout)
+        else:
+            weights = None
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=use_is_causal,
+                dropout_p=self.dropout.p if self.training else 0.0)
+            if mask is not None and not _SDPA_ZEROES_EMPTY_ROWS:
+                out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        # "concatenated and once again projected" (B, h, T, d_k) -> (B, T, d_model)
+        out = out.transpose(1, 2).reshape(B, T, self.h * self.d_k)
+        return self.out_proj(out), weights
+
+    def reorder_incremental_state(self, incremental_state, new_order: Tensor):
+        """Follow beam search: row i of the new cache is row new_order[i] of the old one.
+
+        The cached self-attention history is always reordered. The static encoder K/V rows of
+        one sentence are identical, so when every row keeps its sentence (beam search reorders
+        within a sentence's group) there is nothing to copy; when sentences finish and the batch
+        shrinks, the rows are selected.
+        """
+        cache = self.get_incremental_state(incremental_state, "kv")
+        if cache is None:
+            return incremental_state
+        ids = cache.get("ids")
+        if not self.self_attention and ids is not None:
+            new_ids = ids.index_select(0, new_order)
+            if new_ids.shape == ids.shape and torch.equal(new_ids, ids):
+                return incremental_state
+            cache["ids"] = new_ids
+        cache["k"] = cache["k"].index_select(0, new_order)
+        cache["v"] = cache["v"].index_select(0, new_order)
+        return self.set_incremental_state(incremental_state, "kv", cache)

@@ -1,0 +1,130 @@
+"""Token embeddings, positional encodings and the generator (output projection).
+
+Shapes: B batch, L length, V vocabulary, d_model model dimension.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import PluginError
+
+
+class Embeddings(nn.Module):
+    """"In the embedding layers, we multiply those weights by sqrt(d_model)." (section 3.4)"""
+
+    def __init__(self, vocab_size: int, d_model: int, padding_idx: int, scale: bool = True):
+        super().__init__()
+        self.lut = nn.Embedding(vocab_size, d_model, padding_idx=padding_idx)
+        self.scale = math.sqrt(d_model) if scale else 1.0
+
+    def forward(self, tokens: Tensor) -> Tensor:  # (B, L) -> (B, L, d_model)
+        return self.lut(tokens) * self.scale
+
+
+def positions_of(tokens: Tensor, padding_idx: int) -> Tensor:
+    """Position of each token among the non-padding tokens of its row, from 0.
+
+    Counting only real tokens makes a sentence's encoding independent of how its batch is
+    padded (fairseq-generate left-pads sources, training right-pads). (B, L) -> (B, L)
+    """
+    real = tokens.ne(padding_idx)
+    return (torch.cumsum(real, dim=1) - 1).clamp_(min=0)
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
+
+    "We chose the sinusoidal version because it may allow the model to extrapolate to sequence
+    lengths longer than the ones encountered during training." (section 3.5)
+    The table is a plain cached tensor, not a buffer: nothing to save in checkpoints or to
+    broadcast between distributed ranks.
+    """
+
+    def __init__(self, d_model: int, max_positions: int):
+        super().__init__()
+        self.d_model = d_model
+        self.max_positions = max_positions
+        self._table: Optional[Tensor] = None
+
+    def table(self, device, dtype) -> Tensor:  # (max_positions, d_model)
+        t = self._table
+        if t is None or t.device != device or t.dtype != dtype:
+            position = torch.arange(self.max_positions, dtype=torch.float32).unsqueeze(1)
+            div_term = torch.exp(
+                torch.arange(0, self.d_model, 2, dtype=torch.float32) * -(math.log(10000.0) / self.d_model))
+            pe = torch.zeros(self.max_positions, self.d_model)
+            pe[:, 0::2] = torch.sin(position * div_term)
+            pe[:, 1::2] = torch.cos(position * div_term[: self.d_model // 2])
+            t = self._table = pe.to(device=device, dtype=dtype)
+        return t
+
+    def forward(self, positions: Tensor, dtype=torch.float32) -> Tensor:  # (B, L) -> (B, L, d)
+        return F.embedding(positions, self.table(positions.device, dtype))
+
+
+class LearnedPositionalEncoding(nn.Module):
+    """Learned position embeddings, the alternative of section 3.5 ("nearly identical results")."""
+
+    def __init__(self, d_model: int, max_positions: int):
+        super().__init__()
+        self.max_positions = max_positions
+        self.embed = nn.Embedding(max_positions, d_model)
+
+    def forward(self, positions: Tensor, dtype=torch.float32) -> Tensor:
+        return self.embed(positions).to(dtype)
+
+
+class EmbeddingLayer(nn.Module):
+    """Embeddings plus positional encodings, then dropout.
+
+    "We apply dropout to the sums of the embeddings and the positional encodings in both the
+    encoder and decoder stacks." (section 5.4)
+    """
+
+    def __init__(self, embeddings: Embeddings, positional: Optional[nn.Module], dropout: float,
+                 side: str):
+        super().__init__()
+        self.embeddings = embeddings
+        self.positional = positional
+        self.dropout = nn.Dropout(dropout)
+        self.side = side  # "source" or "target", for error messages
+
+    @property
+    def max_positions(self) -> int:
+        return self.positional.max_positions if self.positional is not None else int(1e6)
+
+    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """tokens, positions (B, L) -> (B, L, d_model)."""
+        x = self.embeddings(tokens)
+        if self.positional is not None:
+            if positions.numel() and int(positions.max()) >= self.positional.max_positions:
+                flag = "--max-source-positions" if self.side == "source" else "--max-target-positions"
+                raise PluginError(
+                    f"a {self.side} sentence has {int(positions.max()) + 1} tokens but this model "
+                    f"allows at most {self.positional.max_positions} ({flag}); shorten or split "
+                    f"the sentence, or skip such inputs with --skip-invalid-size-inputs-valid-test")
+            x = x + self.positional(positions, x.dtype)
+        return self.dropout(x)
+
+
+class Generator(nn.Module):
+    """"We also use the usual learned linear transformation and softmax function to convert the
+    decoder output to predicted next-token probabilities." (section 3.4)
+
+    The weight can be shared with the target embeddings ("we share the same weight matrix between
+    the two embedding layers and the pre-softmax linear transformation"). The softmax itself is
+    fairseq's ``get_normalized_probs`` (log-softmax in fp32).
+    """
+
+    def __init__(self, d_model: int, vocab_size: int, shared_weight: Optional[nn.Parameter] = None):
+        super().__init__()
+        self.proj = nn.Linear(d_model, vocab_size, bias=False)
+        if shared_weight is not None:
+            self.proj.weight = shared_weight
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, L, d_model) -> (B, L, V) logits
+        return self.proj(x)

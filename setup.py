@@ -1,0 +1,24 @@
+"""The Annotated Transformer as a fairseq plugin (user-dir module ``fairseq_plugin``)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="fairseq-annotated-transformer",
+    version="0.1.0",
+    description="The Annotated Transformer as a fairseq user-dir plugin: model, cached "
+                "attention for beam search, label smoothing and the Noam schedule",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.8",
+    packages=find_packages(include=["fairseq_plugin", "fairseq_plugin.*"]),
+    install_requires=[
+        "torch>=2.1",
+        # both provide the ``fairseq`` package; PyPI's 0.12.2 fails to import on Python >= 3.11
+        'fairseq==0.12.2; python_version < "3.11"',
+        'fairseq-fixed==0.12.3.1; python_version >= "3.11"',
+        "sacremoses",
+        "subword-nmt",
+        "sacrebleu>=2",
+    ],
+    extras_require={"test": ["pytest"]},
+)

@@ -1,0 +1,63 @@
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # test the source tree
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+import fairseq_plugin  # noqa: E402
+from fairseq.data import Dictionary  # noqa: E402
+from fairseq_plugin.models.annotated_transformer import (  # noqa: E402
+    AnnotatedTransformerModel,
+    annotated_transformer_tiny,
+)
+
+PLUGIN_DIR = os.path.dirname(os.path.abspath(fairseq_plugin.__file__))
+BIN = os.path.dirname(sys.executable)
+
+
+def make_dictionary(n_symbols: int = 30) -> Dictionary:
+    d = Dictionary()
+    for i in range(n_symbols):
+        d.add_symbol(f"w{i}")
+    d.finalize(padding_factor=1)
+    return d
+
+
+def build_tiny_model(dictionary=None, tgt_dictionary=None, **overrides):
+    """annotated_transformer_tiny with random weights, in eval mode."""
+    src = dictionary or make_dictionary()
+    tgt = tgt_dictionary or src
+    args = Namespace(**overrides)
+    annotated_transformer_tiny(args)
+    task = SimpleNamespace(source_dictionary=src, target_dictionary=tgt)
+    model = AnnotatedTransformerModel.build_model(args, task)
+    return model.eval()
+
+
+def random_tokens(dictionary, batch, length, generator=None):
+    """Real (non-special) tokens, shape (batch, length)."""
+    return torch.randint(dictionary.nspecial, len(dictionary), (batch, length), generator=generator)
+
+
+def cli(name, *args, env=None, check=True, input=None, cwd=None, timeout=900):
+    """Run one of fairseq's CLIs from this venv without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD."""
+    e = dict(os.environ if env is None else env)
+    e.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    proc = subprocess.run([os.path.join(BIN, name), *map(str, args)], capture_output=True,
+                          text=True, env=e, input=input, cwd=cwd, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n"
+                             f"{proc.stdout[-2000:]}")
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

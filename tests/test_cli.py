@@ -1,0 +1,163 @@
+"""End to end through fairseq's own CLIs: preprocess, train, generate, interactive, restore."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import reverse_data
+import reverse_demo
+from conftest import PLUGIN_DIR, cli
+
+TRAIN_EPOCHS = 18
+SEED = 1
+
+
+def preprocess(raw, dest, joined=True):
+    cli("fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
+        "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test",
+        "--destdir", dest, "--workers", "2", *(["--joined-dictionary"] if joined else []))
+
+
+@pytest.fixture(scope="module")
+def reverse_run(tmp_path_factory):
+    """The reverse task trained once through fairseq-train (about 2 minutes on 2 cores)."""
+    w = tmp_path_factory.mktemp("reverse")
+    raw, data_bin, ckpt = w / "raw", w / "data-bin", w / "checkpoints"
+    reverse_data.main([str(raw)])
+    preprocess(raw, data_bin)
+    proc = cli(*reverse_demo.train_command(str(data_bin), str(ckpt), TRAIN_EPOCHS, seed=SEED,
+                                           extra=["--save-interval", str(TRAIN_EPOCHS)]))
+    return {"dir": w, "raw": raw, "data_bin": data_bin, "checkpoint": ckpt / "checkpoint_last.pt",
+            "train_log": proc.stdout + proc.stderr}
+
+
+@pytest.fixture(scope="module")
+def generated(reverse_run):
+    out = cli(*reverse_demo.generate_command(str(reverse_run["data_bin"]),
+                                             str(reverse_run["checkpoint"]), beam=5))
+    path = reverse_run["dir"] / "generate.txt"
+    path.write_text(out.stdout)
+    return reverse_demo.read_generate_output(str(path))
+
+
+def test_training_logs_noam_rate_and_label_smoothed_loss(reverse_run):
+    log = reverse_run["train_log"]
+    assert "noam: lr = 1.0 * 64^-0.5 * min(step^-0.5, step * 200^-1.5)" in log
+    assert "| ppl " in log and "| nll_loss " in log
+
+
+def test_reverse_task_reaches_95_percent_exact_match_with_beam_5(generated):
+    assert len(generated) == 500  # every test sequence was translated
+    accuracy = reverse_demo.exact_match(generated)
+    print(f"reverse task exact match, beam 5: {accuracy:.1%}")
+    assert accuracy >= 0.95
+
+
+def test_interactive_translates_stdin_like_generate(reverse_run, generated):
+    ids = sorted(generated)[:3]
+    sources = [generated[i][0] for i in ids]
+    out = cli("fairseq-interactive", reverse_run["data_bin"], "--user-dir", PLUGIN_DIR,
+              "--path", reverse_run["checkpoint"], "--beam", "5", "--source-lang", "src",
+              "--target-lang", "tgt", "--cpu", input="\n".join(sources) + "\n")
+    hyps = [line.split("\t")[2] for line in out.stdout.splitlines() if line.startswith("H-")]
+    assert hyps == [generated[i][2] for i in ids]
+    assert hyps[0] == " ".join(reversed(sources[0].split()))
+
+
+def test_checkpoint_loads_with_weights_only_under_torch_2_6_without_env_var(reverse_run):
+    assert tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 6)
+    script = (
+        "import sys, torch\n"
+        "path = sys.argv[1]\n"
+        "try:\n"
+        "    torch.load(path)\n"
+        "    print('loaded-before-import')\n"
+        "except Exception as e:\n"
+        "    print('refused-before-import')\n"
+        f"sys.path.insert(0, {os.path.dirname(PLUGIN_DIR)!r})\n"
+        "import fairseq_plugin\n"
+        "state = torch.load(path)\n"  # default weights_only=True
+        "print('loaded', state['args'] is None and 'cfg' in state)\n"
+        "import pickle, io, os\n"
+        "class Evil:\n"
+        "    def __reduce__(self): return (os.getcwd, ())\n"
+        "buf = io.BytesIO(); torch.save({'x': Evil()}, buf); buf.seek(0)\n"
+        "try:\n"
+        "    torch.load(buf); print('evil-loaded')\n"
+        "except Exception: print('evil-refused')\n"
+    )
+    env = dict(os.environ)
+    env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    out = subprocess.run([sys.executable, "-c", script, str(reverse_run["checkpoint"])],
+                         capture_output=True, text=True, env=env, check=True).stdout.split()
+    # fairseq's checkpoint needs the plugin's allowlist, and weights_only stays on for the rest
+    assert out == ["refused-before-import", "loaded", "True", "evil-refused"]
+
+
+def test_restore_file_continues_training(reverse_run, tmp_path):
+    save = tmp_path / "continued"
+    proc = cli(*reverse_demo.train_command(
+        str(reverse_run["data_bin"]), str(save), TRAIN_EPOCHS + 1, seed=SEED,
+        extra=["--restore-file", str(reverse_run["checkpoint"])]))
+    log = proc.stdout + proc.stderr
+    assert f"Loaded checkpoint {reverse_run['checkpoint']} (epoch {TRAIN_EPOCHS}" in log
+    assert f"end of epoch {TRAIN_EPOCHS + 1}" in log
+    assert (save / "checkpoint_last.pt").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input: one clear line, no traceback
+# ------------------------------------------------------------------------------------------
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    for f in fragments:
+        assert f in last, last
+    return last
+
+
+def train_quick(data_bin, tmp_path, *extra):
+    return cli("fairseq-train", data_bin, "--user-dir", PLUGIN_DIR,
+               "--arch", "annotated_transformer_tiny", "--optimizer", "adam",
+               "--lr-scheduler", "noam", "--max-tokens", "1024", "--max-update", "1", "--cpu",
+               "--save-dir", tmp_path / "ckpt", *extra, check=False)
+
+
+def test_heads_not_dividing_d_model_fail_with_one_line(reverse_run, tmp_path):
+    proc = train_quick(reverse_run["data_bin"], tmp_path, "--encoder-attention-heads", "5")
+    line = assert_one_line_error(proc, "fairseq_plugin: error:", "--encoder-embed-dim 64",
+                                 "--encoder-attention-heads 5")
+    assert "e.g. 4" in line
+
+
+def test_unknown_preset_fails_with_one_line(reverse_run, tmp_path):
+    proc = train_quick(reverse_run["data_bin"], tmp_path, "--arch", "annotated_transformer_huge")
+    assert_one_line_error(proc, "invalid choice: 'annotated_transformer_huge'",
+                          "annotated_transformer_tiny")
+
+
+def test_share_all_embeddings_without_joined_dictionary_fails_with_one_line(tmp_path):
+    raw = tmp_path / "raw"
+    reverse_data.main([str(raw), "--train", "200", "--valid", "20", "--test", "20"])
+    with open(raw / "train.tgt", "a") as f:  # a target-only symbol: dictionaries differ
+        f.write("zz\n")
+    with open(raw / "train.src", "a") as f:
+        f.write("a\n")
+    preprocess(raw, tmp_path / "bin", joined=False)
+    proc = train_quick(tmp_path / "bin", tmp_path, "--share-all-embeddings")
+    assert_one_line_error(proc, "fairseq_plugin: error: --share-all-embeddings needs a joined "
+                                "dictionary", "--joined-dictionary")
+    assert not (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
+
+
+def test_too_long_sentence_at_decode_time_fails_with_one_line_naming_the_fix(reverse_run):
+    proc = cli("fairseq-generate", reverse_run["data_bin"], "--user-dir", PLUGIN_DIR,
+               "--path", reverse_run["checkpoint"], "--max-source-positions", "6", "--cpu",
+               check=False)
+    assert_one_line_error(proc, "fairseq_plugin: error: Size of sample", "max_positions=(6",
+                          "--skip-invalid-size-inputs-valid-test")

@@ -1,0 +1,107 @@
+from argparse import Namespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fairseq.optim import FairseqOptimizer
+
+from conftest import build_tiny_model, make_dictionary, random_tokens
+from fairseq_plugin.criterions.annotated_label_smoothing import (
+    AnnotatedLabelSmoothingCriterion,
+    annotated_label_smoothing_loss,
+)
+from fairseq_plugin.errors import PluginError
+from fairseq_plugin.lr_scheduler.noam import NoamSchedule
+
+
+def seed_label_smoothing(x, target, size, padding_idx, smoothing):
+    """The Annotated Transformer's LabelSmoothing.forward, as in the notebook."""
+    confidence = 1.0 - smoothing
+    true_dist = x.data.clone()
+    true_dist.fill_(smoothing / (size - 2))
+    true_dist.scatter_(1, target.data.unsqueeze(1), confidence)
+    true_dist[:, padding_idx] = 0
+    mask = torch.nonzero(target.data == padding_idx)
+    if mask.dim() > 0:
+        true_dist.index_fill_(0, mask.squeeze(), 0.0)
+    return nn.KLDivLoss(reduction="sum")(x, true_dist)
+
+
+@pytest.mark.parametrize("eps", [0.1, 0.3])
+def test_criterion_equals_the_seed_formula(eps):
+    V, pad = 50, 1
+    lprobs = torch.randn(64, V, dtype=torch.float64).log_softmax(-1)
+    target = torch.randint(4, V, (64,))
+    target[::7] = pad
+    loss, nll = annotated_label_smoothing_loss(lprobs, target, eps, pad)
+    expected = seed_label_smoothing(lprobs, target, V, pad, eps)
+    assert torch.allclose(loss.double(), expected, rtol=1e-5)
+    not_pad = target.ne(pad)
+    assert torch.allclose(nll.double(), -lprobs[not_pad].gather(1, target[not_pad, None]).sum())
+
+
+def test_criterion_at_eps_zero_equals_nll():
+    V, pad = 30, 1
+    lprobs = torch.randn(40, V).log_softmax(-1)
+    target = torch.randint(4, V, (40,))
+    target[:5] = pad
+    loss, nll = annotated_label_smoothing_loss(lprobs, target, 0.0, pad)
+    expected = F.nll_loss(lprobs, target, ignore_index=pad, reduction="sum")
+    assert torch.allclose(loss, expected, rtol=1e-5)
+    assert torch.allclose(nll, expected, rtol=1e-5)
+
+
+def test_criterion_in_fairseq_logs_loss_and_nll_loss():
+    d = make_dictionary()
+    model = build_tiny_model(d).train()
+    task = Namespace(target_dictionary=d)
+    crit = AnnotatedLabelSmoothingCriterion(task, sentence_avg=False, label_smoothing=0.1)
+    src = random_tokens(d, 3, 6)
+    tgt = random_tokens(d, 3, 5)
+    prev = torch.cat([torch.full((3, 1), d.eos()), tgt[:, :-1]], 1)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((3,), 6),
+                            "prev_output_tokens": prev},
+              "target": tgt, "ntokens": 15}
+    loss, sample_size, log = crit(model, sample)
+    assert sample_size == 15
+    assert loss.item() > 0 and log["nll_loss"].item() > 0
+    assert set(log) >= {"loss", "nll_loss", "ntokens", "nsentences", "sample_size"}
+
+
+class _Optimizer(FairseqOptimizer):
+    def __init__(self):
+        super().__init__(cfg=None)
+        self._optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)
+
+
+def noam_formula(step, d_model, factor, warmup):
+    step = max(step, 1)
+    return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+def test_noam_sets_the_formulas_learning_rate():
+    opt = _Optimizer()
+    args = Namespace(warmup_updates=4000, noam_factor=2.0, noam_model_dim=None,
+                     encoder_embed_dim=512)
+    sched = NoamSchedule(args, opt)
+    assert opt.get_lr() == pytest.approx(noam_formula(1, 512, 2.0, 4000))
+    for step in (1, 10, 3999, 4000, 4001, 20000):
+        lr = sched.step_update(step)
+        assert lr == pytest.approx(noam_formula(step, 512, 2.0, 4000), rel=1e-12)
+        assert opt.get_lr() == lr
+    # warmup rises linearly, then decays as step^-0.5
+    assert sched.rate(2000) == pytest.approx(sched.rate(1000) * 2)
+    assert sched.rate(16000) == pytest.approx(sched.rate(4000) / 2)
+
+
+def test_noam_model_dim_overrides_the_models():
+    args = Namespace(warmup_updates=100, noam_factor=1.0, noam_model_dim=64, encoder_embed_dim=512)
+    assert NoamSchedule(args, _Optimizer()).rate(100) == pytest.approx(64 ** -0.5 * 100 ** -0.5)
+
+
+def test_noam_without_d_model_is_a_clear_error():
+    args = Namespace(warmup_updates=100, noam_factor=1.0, noam_model_dim=None)
+    with pytest.raises(PluginError, match="--noam-model-dim"):
+        NoamSchedule(args, _Optimizer())
+

@@ -1,0 +1,161 @@
+"""The cache must change nothing: step-by-step decoding equals one full pass."""
+
+import pytest
+import torch
+from fairseq.models import FairseqDecoder, FairseqEncoderDecoderModel
+from fairseq.sequence_generator import SequenceGenerator
+
+from conftest import build_tiny_model, make_dictionary, random_tokens
+
+
+def padded_sources(d, lengths, left_pad):
+    """A batch of sources of the given lengths (each ending in eos), padded left or right."""
+    S = max(lengths)
+    src = torch.full((len(lengths), S), d.pad())
+    for i, n in enumerate(lengths):
+        seq = torch.cat([random_tokens(d, 1, n - 1)[0], torch.tensor([d.eos()])])
+        if left_pad:
+            src[i, S - n:] = seq
+        else:
+            src[i, :n] = seq
+    return src, torch.tensor(lengths)
+
+
+def prefixes(d, batch, length):
+    """Target prefixes as beam search builds them: eos first, then real tokens."""
+    return torch.cat([torch.full((batch, 1), d.eos()), random_tokens(d, batch, length - 1)], 1)
+
+
+def step_by_step(model, encoder_out, tokens, state=None):
+    state = {} if state is None else state
+    steps = [model.decoder(tokens[:, :t], encoder_out=encoder_out, incremental_state=state)[0]
+             for t in range(1, tokens.size(1) + 1)]
+    return torch.cat(steps, dim=1), state
+
+
+@pytest.mark.parametrize("left_pad", [True, False])
+@pytest.mark.parametrize("post_norm", [False, True])
+def test_step_by_step_logits_equal_one_full_pass_for_a_padded_batch(left_pad, post_norm):
+    d = make_dictionary()
+    model = build_tiny_model(d, post_norm=post_norm)
+    src, lengths = padded_sources(d, [7, 3, 5, 1], left_pad)
+    tgt = prefixes(d, 4, 9)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, lengths)
+        full = model.decoder(tgt, encoder_out=encoder_out)[0]
+        incremental, _ = step_by_step(model, encoder_out, tgt)
+    assert incremental.shape == full.shape == (4, 9, len(d))
+    assert (incremental - full).abs().max() <= 1e-4
+
+
+def test_padding_side_does_not_change_a_sentences_encoding():
+    """fairseq-generate left-pads sources, training right-pads: same sentence, same output."""
+    d = make_dictionary()
+    model = build_tiny_model(d)
+    torch.manual_seed(3)
+    left, lengths = padded_sources(d, [6, 2, 4], left_pad=True)
+    right = torch.full_like(left, d.pad())
+    for i, n in enumerate(lengths.tolist()):
+        right[i, :n] = left[i, left.size(1) - n:]
+    tgt = prefixes(d, 3, 5)
+    with torch.no_grad():
+        out_left = model(left, lengths, tgt)[0]
+        out_right = model(right, lengths, tgt)[0]
+    assert (out_left - out_right).abs().max() <= 1e-5
+
+
+def test_cache_follows_beam_reorders_and_a_shrinking_batch():
+    """Beam-search semantics: reorders within each sentence's group of hypotheses, then a
+    sentence finishes and the batch shrinks; the cached logits still equal a full pass."""
+    d = make_dictionary()
+    model = build_tiny_model(d)
+    g = torch.Generator().manual_seed(1)
+    bsz, beam = 3, 4
+    src, lengths = padded_sources(d, [5, 8, 3], left_pad=True)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, lengths)
+        expand = torch.arange(bsz).repeat_interleave(beam)
+        encoder_out = model.encoder.reorder_encoder_out(encoder_out, expand)
+        tokens = torch.full((bsz * beam, 1), d.eos())
+        state = {}
+        active = list(range(bsz))
+        for step in range(8):
+            model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)
+            n = len(active)
+            # each hypothesis continues one of its own sentence's hypotheses
+            within = torch.randint(0, beam, (n, beam), generator=g)
+            new_order = (torch.arange(n)[:, None] * beam + within).view(-1)
+            if step == 4:  # sentence 1 finishes: keep the rows of sentences 0 and 2
+                keep = torch.tensor([0, 2])
+                new_order = new_order.view(n, beam)[keep].view(-1)
+                active = [active[i] for i in keep.tolist()]
+            model.decoder.reorder_incremental_state_scripting(state, new_order)
+            encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
+            tokens = torch.cat([tokens.index_select(0, new_order),
+                                random_tokens(d, new_order.numel(), 1, generator=g)], dim=1)
+        last_cached = model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)[0]
+        # the same histories decoded from scratch, against freshly encoded sources
+        fresh = model.encoder(src[active].repeat_interleave(beam, 0),
+                              lengths[active].repeat_interleave(beam))
+        full = model.decoder(tokens, encoder_out=fresh)[0]
+    assert tokens.size(0) == 2 * beam
+    assert (last_cached[:, -1] - full[:, -1]).abs().max() <= 1e-4
+
+
+def test_each_cache_is_reordered_exactly_once():
+    d = make_dictionary()
+    model = build_tiny_model(d)
+    src, lengths = padded_sources(d, [4, 6], left_pad=True)
+    tgt = prefixes(d, 2, 3)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, lengths)
+        _, state = step_by_step(model, encoder_out, tgt)
+        before = {k: {n: t.clone() for n, t in v.items() if t is not None} for k, v in state.items()}
+        new_order = torch.tensor([1, 0])  # rows from different sentences: everything must move
+        model.decoder.reorder_incremental_state_scripting(state, new_order)
+    for key, cache in before.items():
+        for name in ("k", "v"):
+            assert torch.equal(state[key][name], cache[name].index_select(0, new_order)), key
+
+
+class RecomputingDecoder(FairseqDecoder):
+    """No cache: every step recomputes the whole prefix (the seeds' greedy_decode way)."""
+
+    def __init__(self, inner):
+        super().__init__(inner.dictionary)
+        self.inner = inner
+
+    def forward(self, prev_output_tokens, encoder_out=None, **unused):
+        return self.inner(prev_output_tokens, encoder_out=encoder_out)
+
+    def max_positions(self):
+        return self.inner.max_positions()
+
+
+def test_sequence_generator_beam4_gives_the_same_hypotheses_with_and_without_cache():
+    d = make_dictionary(40)
+    model = build_tiny_model(d)
+    with torch.no_grad():  # sharper distributions than random init, so beams differ clearly
+        model.decoder.generator.proj.weight.mul_(4.0)
+    recomputing = FairseqEncoderDecoderModel(model.encoder, RecomputingDecoder(model.decoder)).eval()
+    src, lengths = padded_sources(d, [6, 9, 4, 7, 2], left_pad=True)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
+
+    def generate(m):
+        gen = SequenceGenerator([m], d, beam_size=4, max_len_b=12, normalize_scores=True)
+        assert gen.model.has_incremental_states() == (m is model)
+        with torch.no_grad():
+            return gen.generate([m], sample)
+
+    cached, recomputed = generate(model), generate(recomputing)
+    n_hypos = 0
+    for hyps_a, hyps_b in zip(cached, recomputed):
+        assert len(hyps_a) == len(hyps_b) == 4
+        for a, b in zip(hyps_a, hyps_b):
+            assert torch.equal(a["tokens"], b["tokens"])
+            assert abs(float(a["score"]) - float(b["score"])) <= 1e-4
+            assert torch.allclose(a["positional_scores"], b["positional_scores"], atol=1e-4)
+            n_hypos += 1
+    assert n_hypos == 20
+    # the beams are not all the same hypothesis
+    assert len({tuple(h["tokens"].tolist()) for h in cached[0]}) > 1

@@ -1,0 +1,103 @@
+"""The model as fairseq builds it: sharing, gradients, bad configurations."""
+
+from argparse import Namespace
+
+import pytest
+import torch
+
+from conftest import build_tiny_model, make_dictionary, random_tokens
+from fairseq_plugin.criterions.annotated_label_smoothing import AnnotatedLabelSmoothingCriterion
+from fairseq_plugin.errors import PluginError
+
+
+def training_sample(d, batch=4, src_len=7, tgt_len=6):
+    src = random_tokens(d, batch, src_len)
+    src[0, :2] = d.pad()  # left padding in one row
+    tgt = random_tokens(d, batch, tgt_len)
+    tgt[1, -2:] = d.pad()
+    prev = torch.cat([torch.full((batch, 1), d.eos()), tgt[:, :-1]], 1)
+    return {"net_input": {"src_tokens": src, "src_lengths": src.ne(d.pad()).sum(1),
+                          "prev_output_tokens": prev},
+            "target": tgt, "ntokens": int(tgt.ne(d.pad()).sum())}
+
+
+@pytest.mark.parametrize("sharing", [{}, {"share_all_embeddings": True},
+                                     {"share_decoder_input_output_embed": True},
+                                     {"post_norm": True, "encoder_learned_pos": True,
+                                      "decoder_learned_pos": True}])
+def test_every_parameter_receives_a_gradient(sharing):
+    """So PyTorch DDP needs no find_unused_parameters."""
+    d = make_dictionary()
+    model = build_tiny_model(d, **sharing).train()
+    crit = AnnotatedLabelSmoothingCriterion(Namespace(target_dictionary=d), sentence_avg=False,
+                                            label_smoothing=0.1)
+    loss, _, _ = crit(model, training_sample(d))
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []
+
+
+def test_share_all_embeddings_ties_source_target_and_output():
+    model = build_tiny_model(share_all_embeddings=True)
+    w = model.encoder.embed.embeddings.lut.weight
+    assert model.decoder.embed.embeddings.lut.weight is w
+    assert model.decoder.generator.proj.weight is w
+
+
+def test_no_buffers_to_broadcast_and_nothing_created_in_forward():
+    d = make_dictionary()
+    model = build_tiny_model(d)
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    model(**training_sample(d)["net_input"])
+    assert list(model.buffers()) == []
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+
+
+def test_presets_have_the_papers_sizes():
+    from fairseq_plugin.models import annotated_transformer as at
+
+    def preset(fn):
+        args = Namespace()
+        fn(args)
+        return (args.encoder_layers, args.encoder_embed_dim, args.encoder_ffn_embed_dim,
+                args.encoder_attention_heads, args.dropout)
+
+    assert preset(at.base_architecture) == (6, 512, 2048, 8, 0.1)
+    assert preset(at.annotated_transformer_iwslt_de_en) == (6, 512, 1024, 4, 0.1)
+    assert preset(at.annotated_transformer_big) == (6, 1024, 4096, 16, 0.3)
+    args = Namespace(dropout=0.0, encoder_layers=3)  # what the user gives is kept
+    at.annotated_transformer_big(args)
+    assert (args.dropout, args.encoder_layers) == (0.0, 3)
+
+
+def test_pre_ln_by_default_post_ln_on_request():
+    pre = build_tiny_model()
+    assert pre.encoder.norm is not None and pre.decoder.norm is not None
+    assert all(s.normalize_before for s in pre.encoder.layers[0].sublayer)
+    post = build_tiny_model(post_norm=True)
+    assert post.encoder.norm is None and post.decoder.norm is None
+    assert not any(s.normalize_before for s in post.decoder.layers[0].sublayer)
+
+
+def test_heads_not_dividing_d_model_is_a_clear_error():
+    with pytest.raises(PluginError, match="--encoder-embed-dim 64 is not divisible by "
+                                          "--encoder-attention-heads 5"):
+        build_tiny_model(encoder_attention_heads=5)
+
+
+def test_share_all_embeddings_needs_a_joined_dictionary():
+    with pytest.raises(PluginError, match="--joined-dictionary"):
+        build_tiny_model(make_dictionary(30), make_dictionary(31), share_all_embeddings=True)
+
+
+def test_post_norm_conflicts_with_normalize_before():
+    with pytest.raises(PluginError, match="--post-norm conflicts"):
+        build_tiny_model(post_norm=True, encoder_normalize_before=True)
+
+
+def test_too_long_source_is_a_clear_error():
+    d = make_dictionary()
+    model = build_tiny_model(d, max_source_positions=8)
+    with pytest.raises(PluginError, match="source sentence has 9 tokens .* at most 8 "
+                                          r"\(--max-source-positions\)"):
+        model.encoder(random_tokens(d, 1, 9))
