@@ -21,4 +21,9 @@ setup(
         "sacrebleu>=2",
     ],
     extras_require={"test": ["pytest"]},
+    entry_points={
+        "console_scripts": [
+            "annotated-average-checkpoints=fairseq_plugin.average_checkpoints:main",
+        ],
+    },
 )

@@ -8,32 +8,10 @@ Every command is printed before it runs; full logs go to WORK_DIR/*.log.
 
 import argparse
 import os
-import shlex
-import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import reverse_data  # noqa: E402
-
-
-def plugin_dir() -> str:
-    import fairseq_plugin
-
-    return os.path.dirname(os.path.abspath(fairseq_plugin.__file__))
-
-
-def run(cmd, log_path, echo_if=None):
-    """Run a command, log all its output, echo the lines containing ``echo_if``."""
-    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            log.write(line)
-            if echo_if and echo_if in line:
-                print("  " + line.split(" | ", 3)[-1].rstrip(), flush=True)
-        if proc.wait() != 0:
-            sys.exit(f"error: command failed (exit {proc.returncode}); see {log_path}")
+import reverse_data
+from _common import fairseq_cli, plugin_dir, run
 
 
 def read_generate_output(path):
@@ -60,7 +38,7 @@ def exact_match(triples) -> float:
 
 def train_command(data_bin, save_dir, epochs, seed=1, extra=()):
     return [
-        "fairseq-train", data_bin, "--user-dir", plugin_dir(),
+        fairseq_cli("fairseq-train"), data_bin, "--user-dir", plugin_dir(),
         "--arch", "annotated_transformer_tiny", "--share-all-embeddings",
         "--criterion", "annotated_label_smoothing", "--label-smoothing", "0.1",
         "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-9",
@@ -74,7 +52,7 @@ def train_command(data_bin, save_dir, epochs, seed=1, extra=()):
 def generate_command(data_bin, checkpoint, beam=5):
     # --required-batch-size-multiple 1: fairseq otherwise drops the last test sentences when
     # their number is not a multiple of 8 (fairseq issue #5036)
-    return ["fairseq-generate", data_bin, "--user-dir", plugin_dir(), "--path", checkpoint,
+    return [fairseq_cli("fairseq-generate"), data_bin, "--user-dir", plugin_dir(), "--path", checkpoint,
             "--beam", str(beam), "--max-tokens", "4096", "--required-batch-size-multiple", "1",
             "--cpu"]
 
@@ -96,7 +74,7 @@ def main(argv=None):
     reverse_data.main([raw, "--train", str(args.train_size)])
 
     print("[2/4] fairseq-preprocess", flush=True)
-    run(["fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
+    run([fairseq_cli("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
          "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test",
          "--destdir", data_bin, "--joined-dictionary", "--workers", "2"],
         os.path.join(w, "preprocess.log"))

@@ -162,3 +162,23 @@ def test_too_long_sentence_at_decode_time_fails_with_one_line_naming_the_fix(rev
                check=False)
     assert_one_line_error(proc, "fairseq_plugin: error: Size of sample", "max_positions=(6",
                           "--skip-invalid-size-inputs-valid-test")
+
+
+def test_print_alignment_shows_the_reversal(reverse_run):
+    """The decoder returns its source attention, so --print-alignment works; for the reverse
+    task target position j should align to source position n-1-j."""
+    out = cli(*reverse_demo.generate_command(str(reverse_run["data_bin"]),
+                                             str(reverse_run["checkpoint"])), "--print-alignment")
+    sources, alignments = {}, {}
+    for line in out.stdout.splitlines():
+        kind, _, rest = line.partition("-")
+        idx, _, fields = rest.partition("\t")
+        if kind == "S":
+            sources[idx] = fields.split()
+        elif kind == "A":
+            alignments[idx] = fields
+    assert len(alignments) == 500
+    anti_diagonal = sum(
+        alignments[i] == " ".join(f"{len(sources[i]) - 1 - j}-{j}" for j in range(len(sources[i])))
+        for i in alignments)
+    assert anti_diagonal / len(alignments) >= 0.9

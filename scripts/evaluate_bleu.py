@@ -1,0 +1,83 @@
+#!/usr/bin/env python
+"""Beam search on a prepared test set and detokenised sacreBLEU against the raw references.
+
+fairseq-generate (--beam N, BPE removed and Moses-detokenised by fairseq's own subword_nmt and
+moses post-processing) -> hypotheses in corpus order -> sacrebleu.corpus_bleu against
+DATA_BIN/raw/test.TGT, printed with its signature and a few source / reference / hypothesis
+triples.
+
+  evaluate_bleu.py DATA_BIN CHECKPOINT [--beam 5] [--examples 5] [--output hyps.txt]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from _common import fairseq_cli, plugin_dir
+
+
+def generate_detokenised(data_bin, checkpoint, beam=5, max_tokens=4096, subset="test",
+                         extra=()):
+    """Run fairseq-generate; return {sentence id: detokenised hypothesis}."""
+    with open(os.path.join(data_bin, "prepare.json")) as f:
+        settings = json.load(f)
+    cmd = [fairseq_cli("fairseq-generate"), data_bin,
+           "--user-dir", plugin_dir(), "--path", checkpoint, "--gen-subset", subset,
+           "--source-lang", settings["source_lang"], "--target-lang", settings["target_lang"],
+           "--beam", str(beam), "--max-tokens", str(max_tokens),
+           # fairseq drops a last batch that is not a multiple of 8 (fairseq issue #5036)
+           "--required-batch-size-multiple", "1",
+           "--tokenizer", "moses", "--bpe", "subword_nmt",
+           "--bpe-codes", os.path.join(data_bin, settings["bpe_codes"]), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-3000:])
+        raise SystemExit(f"evaluate_bleu: error: fairseq-generate failed (exit {proc.returncode})")
+    hyps = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("D-"):
+            idx, _score, text = line.split("\t", 2)
+            hyps[int(idx[2:])] = text
+    return hyps, settings
+
+
+def score(data_bin, hyps, settings, subset="test"):
+    import sacrebleu
+
+    def lines(lang):
+        with open(os.path.join(data_bin, "raw", f"{subset}.{lang}"), encoding="utf-8") as f:
+            return [line.rstrip("\n") for line in f]
+
+    sources, refs = lines(settings["source_lang"]), lines(settings["target_lang"])
+    if len(hyps) != len(refs):
+        raise SystemExit(f"evaluate_bleu: error: {len(hyps)} hypotheses for {len(refs)} "
+                         f"references")
+    ordered = [hyps[i] for i in range(len(refs))]
+    bleu = sacrebleu.metrics.BLEU()
+    result = bleu.corpus_score(ordered, [refs])
+    return result, bleu.get_signature(), list(zip(sources, refs, ordered))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("data_bin")
+    p.add_argument("checkpoint")
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--examples", type=int, default=5)
+    p.add_argument("--output", help="write the detokenised hypotheses here")
+    args = p.parse_args(argv)
+    hyps, settings = generate_detokenised(args.data_bin, args.checkpoint, args.beam)
+    result, signature, triples = score(args.data_bin, hyps, settings)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.writelines(h + "\n" for _, _, h in triples)
+    for src, ref, hyp in triples[: args.examples]:
+        print(f"  source     {src}\n  reference  {ref}\n  hypothesis {hyp}\n")
+    print(f"{result}  (beam {args.beam}, {len(triples)} sentences)\nsignature: {signature}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

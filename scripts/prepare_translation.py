@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""Raw parallel text -> fairseq data-bin: Moses normalisation and tokenisation (sacremoses),
+joint BPE (subword-nmt), fairseq-preprocess --joined-dictionary.
+
+  # your own files: RAW/train.de RAW/train.en RAW/valid.* RAW/test.* (plain or .gz)
+  prepare_translation.py --source-lang de --target-lang en --raw-dir RAW --dest data-bin/xx
+  # a named corpus, downloaded when online, or read from --raw-dir
+  prepare_translation.py --corpus multi30k --dest data-bin/multi30k [--raw-dir DIR]
+  prepare_translation.py --corpus tatoeba --dest data-bin/tatoeba      (bundled sample)
+
+DEST receives the binarised data and dictionaries (fairseq-preprocess), ``bpe.codes``,
+``text/`` (tokenised + BPE text), ``raw/`` (the raw test/valid text, the references for
+sacreBLEU) and ``prepare.json`` (the settings, for evaluation and translation).
+"""
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+
+from _common import REPO, fairseq_cli
+
+# name -> languages, split prefixes, download (url template by file) or bundled directory
+CORPORA = {
+    "multi30k": {
+        "source_lang": "de", "target_lang": "en",
+        "splits": {"train": "train", "valid": "valid", "test": "test2016"},
+        "download": {
+            # Multi30k task 1 raw files (Elliott et al. 2016); non-commercial research terms
+            f"{split}.{lang}": "https://raw.githubusercontent.com/multi30k/dataset/master/data/"
+                               f"task1/raw/{remote}.{lang}.gz"
+            for split, remote in (("train", "train"), ("valid", "val"),
+                                  ("test2016", "test_2016_flickr"))
+            for lang in ("de", "en")
+        },
+    },
+    "tatoeba": {
+        "source_lang": "de", "target_lang": "en",
+        "splits": {"train": "train", "valid": "valid", "test": "test"},
+        "bundled": os.path.join(REPO, "examples", "tatoeba", "data"),
+    },
+}
+
+
+class PrepareError(Exception):
+    pass
+
+
+def open_text(path):
+    """A plain or gzipped text file (PATH or PATH.gz)."""
+    if not os.path.exists(path) and os.path.exists(path + ".gz"):
+        path += ".gz"
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def exists(path):
+    return os.path.exists(path) or os.path.exists(path + ".gz")
+
+
+def read_parallel(raw_dir, prefix, src, tgt):
+    """Read RAW/prefix.src and RAW/prefix.tgt; refuse missing, misaligned or empty input."""
+    paths = [os.path.join(raw_dir, f"{prefix}.{lang}") for lang in (src, tgt)]
+    for path in paths:
+        if not exists(path):
+            raise PrepareError(f"missing file {path} (or {path}.gz): expected "
+                               f"RAW_DIR/{prefix}.{{{src},{tgt}}}, one sentence per line")
+    sides = []
+    for path in paths:
+        with open_text(path) as f:
+            sides.append([" ".join(line.split()) for line in f])  # tabs, edge spaces -> one space
+    if len(sides[0]) != len(sides[1]):
+        raise PrepareError(f"{paths[0]} has {len(sides[0])} lines but {paths[1]} has "
+                           f"{len(sides[1])}: parallel files must be aligned line by line")
+    if not sides[0]:
+        raise PrepareError(f"{paths[0]} and {paths[1]} are empty")
+    empty = sum(1 for a, b in zip(*sides) if not a or not b)
+    if empty == len(sides[0]):
+        raise PrepareError(f"{paths[0]} / {paths[1]}: every pair has an empty side")
+    return sides
+
+
+def download(corpus, raw_dir):
+    """Fetch a named corpus's raw files into raw_dir (gunzipped)."""
+    os.makedirs(raw_dir, exist_ok=True)
+    for name, url in CORPORA[corpus]["download"].items():
+        target = os.path.join(raw_dir, name)
+        if os.path.exists(target):
+            continue
+        print(f"downloading {url}", flush=True)
+        try:
+            with urllib.request.urlopen(url, timeout=60) as r:
+                data = r.read()
+        except OSError as e:
+            raise PrepareError(f"cannot download {url} ({e}); on a machine without internet "
+                               f"access, pass the raw files with --raw-dir")
+        with open(target, "wb") as f:
+            f.write(gzip.decompress(data) if url.endswith(".gz") else data)
+
+
+class MosesPipeline:
+    """Moses punctuation normalisation + tokenisation, with fairseq's ``--tokenizer moses``
+    settings (aggressive dash splits, XML escaping), so fairseq-interactive --tokenizer moses
+    tokenises new text exactly as the training data was."""
+
+    def __init__(self, lang):
+        from sacremoses import MosesPunctNormalizer, MosesTokenizer
+
+        self.normalizer = MosesPunctNormalizer(lang=lang)
+        self.tokenizer = MosesTokenizer(lang=lang)
+
+    def __call__(self, line):
+        return self.tokenizer.tokenize(self.normalizer.normalize(line), aggressive_dash_splits=True,
+                                       return_str=True, escape=True)
+
+
+def progress(iterable, desc, total=None):
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, unit=" lines", mininterval=1.0,
+                disable=None, file=sys.stderr)
+
+
+def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, workers=2,
+            force=False):
+    from subword_nmt.apply_bpe import BPE
+    from subword_nmt.learn_bpe import learn_bpe
+
+    if os.path.isdir(dest) and os.listdir(dest):
+        if not force:
+            raise PrepareError(f"{dest} is not empty; choose another --dest or pass --force to "
+                               f"replace it")
+        shutil.rmtree(dest)
+    langs = (source_lang, target_lang)
+    data = {split: read_parallel(raw_dir, prefix, *langs) for split, prefix in splits.items()}
+    text, raw = os.path.join(dest, "text"), os.path.join(dest, "raw")
+    os.makedirs(text)
+    os.makedirs(raw)
+
+    # raw valid/test text: the references for detokenised sacreBLEU
+    for split in ("valid", "test"):
+        for lang, lines in zip(langs, data[split]):
+            with open(os.path.join(raw, f"{split}.{lang}"), "w", encoding="utf-8") as f:
+                f.writelines(line + "\n" for line in lines)
+
+    tokenised = {}
+    for split, sides in data.items():
+        tokenised[split] = []
+        for lang, lines in zip(langs, sides):
+            moses = MosesPipeline(lang)
+            tokenised[split].append(
+                [moses(line) for line in progress(lines, f"tokenise {split}.{lang}")])
+
+    codes = os.path.join(dest, "bpe.codes")
+    print(f"learning {bpe_merges} joint BPE merges on train.{source_lang} + train.{target_lang}",
+          file=sys.stderr, flush=True)
+    with open(codes, "w", encoding="utf-8") as out:
+        learn_bpe(tokenised["train"][0] + tokenised["train"][1], out, bpe_merges)
+    with open(codes, encoding="utf-8") as f:
+        bpe = BPE(f)
+    for split, sides in tokenised.items():
+        for lang, lines in zip(langs, sides):
+            with open(os.path.join(text, f"{split}.{lang}"), "w", encoding="utf-8") as f:
+                for line in progress(lines, f"apply BPE {split}.{lang}"):
+                    f.write(bpe.process_line(line) + "\n")
+
+    cmd = [fairseq_cli("fairseq-preprocess"),
+           "--source-lang", source_lang, "--target-lang", target_lang,
+           "--trainpref", os.path.join(text, "train"), "--validpref", os.path.join(text, "valid"),
+           "--testpref", os.path.join(text, "test"), "--destdir", dest, "--joined-dictionary",
+           "--workers", str(workers)]
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with open(os.path.join(dest, "preprocess.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise PrepareError(f"fairseq-preprocess failed; see {dest}/preprocess.log")
+
+    settings = {"source_lang": source_lang, "target_lang": target_lang, "bpe": "subword_nmt",
+                "bpe_codes": "bpe.codes", "bpe_merges": bpe_merges, "tokenizer": "moses",
+                "splits": {s: len(data[s][0]) for s in data}}
+    with open(os.path.join(dest, "prepare.json"), "w") as f:
+        json.dump(settings, f, indent=2)
+    return settings
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--corpus", choices=sorted(CORPORA), help="a named corpus")
+    p.add_argument("--raw-dir", help="directory of raw files PREFIX.LANG (plain or .gz)")
+    p.add_argument("--source-lang", "-s")
+    p.add_argument("--target-lang", "-t")
+    p.add_argument("--train", default=None, help="train prefix (default: train)")
+    p.add_argument("--valid", default=None, help="valid prefix (default: valid)")
+    p.add_argument("--test", default=None, help="test prefix (default: test)")
+    p.add_argument("--dest", required=True, help="output data-bin directory")
+    p.add_argument("--bpe-merges", type=int, default=8000, help="number of joint BPE merges")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--force", action="store_true", help="replace a non-empty --dest")
+    args = p.parse_args(argv)
+
+    corpus = CORPORA.get(args.corpus, {})
+    src = args.source_lang or corpus.get("source_lang")
+    tgt = args.target_lang or corpus.get("target_lang")
+    if not (src and tgt):
+        p.error("give --source-lang and --target-lang, or a named --corpus")
+    splits = dict(corpus.get("splits", {"train": "train", "valid": "valid", "test": "test"}))
+    for split in splits:
+        if getattr(args, split):
+            splits[split] = getattr(args, split)
+    raw_dir = args.raw_dir or corpus.get("bundled")
+    try:
+        if raw_dir is None:
+            if "download" not in corpus:
+                p.error("give --raw-dir (or a named --corpus)")
+            raw_dir = os.path.join(args.dest + ".raw")
+            download(args.corpus, raw_dir)
+        settings = prepare(raw_dir, args.dest, src, tgt, splits, args.bpe_merges, args.workers,
+                           args.force)
+    except PrepareError as e:
+        sys.exit(f"prepare_translation: error: {e}")
+    print(f"prepared {args.dest}: " + ", ".join(f"{s} {n} pairs"
+                                                 for s, n in settings["splits"].items()))
+
+
+if __name__ == "__main__":
+    main()

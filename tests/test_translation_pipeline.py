@@ -1,0 +1,149 @@
+"""Real text: preparation (sacremoses + subword-nmt + fairseq-preprocess), training, detokenised
+sacreBLEU, checkpoint averaging — on a small slice of the bundled Tatoeba sample."""
+
+import gzip
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import evaluate_bleu
+import prepare_translation
+from conftest import PLUGIN_DIR, REPO, cli
+from fairseq_plugin import average_checkpoints
+from fairseq_plugin.errors import PluginError
+
+BUNDLED = os.path.join(REPO, "examples", "tatoeba", "data")
+
+
+def write_slice(raw, n_train=3000, n_eval=60):
+    os.makedirs(raw, exist_ok=True)
+    for split, n in (("train", n_train), ("valid", n_eval), ("test", n_eval)):
+        for lang in ("de", "en"):
+            with gzip.open(os.path.join(BUNDLED, f"{split}.{lang}.gz"), "rt", encoding="utf-8") as f:
+                lines = [next(f) for _ in range(n)]
+            with open(os.path.join(raw, f"{split}.{lang}"), "w", encoding="utf-8") as f:
+                f.writelines(lines)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    w = tmp_path_factory.mktemp("tatoeba")
+    write_slice(w / "raw")
+    settings = prepare_translation.prepare(str(w / "raw"), str(w / "bin"), "de", "en",
+                                           {"train": "train", "valid": "valid", "test": "test"},
+                                           bpe_merges=500)
+    return w, settings
+
+
+def test_prepare_writes_bpe_text_joined_dictionaries_and_references(prepared):
+    w, settings = prepared
+    b = w / "bin"
+    assert settings["splits"] == {"train": 3000, "valid": 60, "test": 60}
+    for name in ("bpe.codes", "dict.de.txt", "dict.en.txt", "prepare.json", "raw/test.en",
+                 "train.de-en.de.bin", "train.de-en.en.idx", "test.de-en.de.bin"):
+        assert (b / name).exists(), name
+    assert (b / "dict.de.txt").read_text() == (b / "dict.en.txt").read_text()  # joined
+    codes = (b / "bpe.codes").read_text().splitlines()
+    assert codes[0].startswith("#version") and len(codes) == 501
+    train_de = (b / "text" / "train.de").read_text()
+    assert "@@ " in train_de  # BPE applied
+    # Moses tokenisation: punctuation split off; raw references kept untouched
+    first_raw = (b / "raw" / "test.en").read_text().splitlines()[0]
+    assert first_raw == open(w / "raw" / "test.en").readline().rstrip("\n")
+    assert (b / "text" / "test.en").read_text().splitlines()[0].endswith(" .")
+
+
+def test_prepare_refuses_misaligned_files(tmp_path):
+    write_slice(tmp_path / "raw", n_train=50, n_eval=5)
+    with open(tmp_path / "raw" / "valid.en", "a") as f:
+        f.write("One line too many.\n")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "prepare_translation.py"),
+                           "-s", "de", "-t", "en", "--raw-dir", tmp_path / "raw",
+                           "--dest", tmp_path / "bin"], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"prepare_translation: error: {tmp_path}/raw/valid.de has 5 lines but "
+        f"{tmp_path}/raw/valid.en has 6: parallel files must be aligned line by line")
+
+
+def test_prepare_refuses_missing_and_empty_input_and_a_non_empty_destination(tmp_path):
+    splits = {"train": "train", "valid": "valid", "test": "test"}
+    write_slice(tmp_path / "raw", n_train=50, n_eval=5)
+    os.remove(tmp_path / "raw" / "test.en")
+    with pytest.raises(prepare_translation.PrepareError, match="missing file .*test.en"):
+        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "a"), "de", "en", splits)
+    for lang in ("de", "en"):
+        open(tmp_path / "raw" / f"test.{lang}", "w").close()
+    with pytest.raises(prepare_translation.PrepareError, match="are empty"):
+        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "b"), "de", "en", splits)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "keep.txt").write_text("mine")
+    with pytest.raises(prepare_translation.PrepareError, match="not empty.*--force"):
+        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "c"), "de", "en", splits)
+    assert (tmp_path / "c" / "keep.txt").read_text() == "mine"
+
+
+@pytest.fixture(scope="module")
+def trained(prepared):
+    """annotated_transformer_tiny, 2 epochs with epoch checkpoints."""
+    w, _ = prepared
+    ckpt = w / "checkpoints"
+    cli("fairseq-train", w / "bin", "--user-dir", PLUGIN_DIR, "--arch", "annotated_transformer_tiny",
+        "--share-all-embeddings", "--criterion", "annotated_label_smoothing",
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr-scheduler", "noam",
+        "--warmup-updates", "50", "--max-tokens", "2048", "--max-epoch", "2", "--seed", "1",
+        "--save-dir", ckpt, "--cpu")
+    return w, ckpt
+
+
+def test_short_run_generates_and_scores_with_sacrebleu(trained):
+    w, ckpt = trained
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "evaluate_bleu.py"),
+                           w / "bin", ckpt / "checkpoint_last.pt", "--examples", "2"],
+                          capture_output=True, text=True, check=True)
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("BLEU = ") and "(beam 5, 60 sentences)" in line for line in lines)
+    assert any(line.startswith("signature: nrefs:1|case:mixed|eff:no|tok:13a") for line in lines)
+    assert sum(line.strip().startswith("hypothesis") for line in lines) == 2
+
+
+def test_averaging_two_checkpoints_gives_the_mean_and_still_generates(trained, tmp_path):
+    w, ckpt = trained
+    out = tmp_path / "avg.pt"
+    average_checkpoints.main(["--inputs", str(ckpt), "--num-epoch-checkpoints", "2",
+                              "--output", str(out)])
+    a = torch.load(ckpt / "checkpoint1.pt")["model"]
+    b = torch.load(ckpt / "checkpoint2.pt")["model"]
+    avg = torch.load(out)["model"]
+    assert set(avg) == set(a)
+    for k in a:
+        assert torch.allclose(avg[k], (a[k] + b[k]) / 2, atol=1e-7), k
+    assert not torch.equal(a["decoder.layers.0.feed_forward.w_1.weight"],
+                           b["decoder.layers.0.feed_forward.w_1.weight"])
+    hyps, _ = evaluate_bleu.generate_detokenised(str(w / "bin"), str(out), beam=2)
+    assert len(hyps) == 60
+
+
+def test_averaging_refuses_different_architectures(trained, tmp_path):
+    _, ckpt = trained
+    other = torch.load(ckpt / "checkpoint1.pt")
+    other["cfg"]["model"].arch = "transformer"
+    torch.save(other, tmp_path / "other.pt")
+    with pytest.raises(PluginError, match="different architectures: .* is "
+                                          "annotated_transformer_tiny, .* is transformer"):
+        average_checkpoints.average([str(ckpt / "checkpoint1.pt"), str(tmp_path / "other.pt")])
+
+
+def test_averaging_refuses_to_overwrite_and_to_average_too_few(trained, tmp_path):
+    _, ckpt = trained
+    with pytest.raises(PluginError, match="asked for the last 5 epoch"):
+        average_checkpoints.last_checkpoints(str(ckpt), 5)
+    existing = tmp_path / "exists.pt"
+    existing.write_text("precious")
+    with pytest.raises(SystemExit, match="exists; pass --force"):
+        average_checkpoints.main(["--inputs", str(ckpt / "checkpoint1.pt"),
+                                  "--output", str(existing)])
+    assert existing.read_text() == "precious"
