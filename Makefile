@@ -23,7 +23,8 @@ $(VENV)/.installed: $(VENV)/.deps $(shell find fairseq_plugin -name '*.py')
 
 install: $(VENV)/.installed
 
-demo: demo-reverse
+demo: install
+	$(PY) scripts/translation_demo.py --work-dir $(WORK)/tatoeba
 
 demo-reverse: install
 	$(PY) scripts/reverse_demo.py --work-dir $(WORK)/reverse

@@ -8,11 +8,20 @@ fairseq-generate, fairseq-interactive and --restore-file fail.
 Rather than switching ``weights_only`` off for every ``torch.load`` in the process (or asking for
 TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1), we add the few plain-data classes a fairseq checkpoint holds
 to torch's allowlist. Loading stays restricted: no other global can be unpickled.
+
+A damaged checkpoint file (truncated copy, interrupted save) gets one clear line naming the
+file, instead of a zip-reader traceback.
 """
 
 import argparse
+import functools
+import pickle
+import zipfile
 
 import torch
+from fairseq import checkpoint_utils
+
+from .errors import PluginError
 
 # what fairseq's trainer writes besides tensors, dicts, lists and numbers
 CHECKPOINT_SAFE_GLOBALS = [argparse.Namespace]
@@ -26,3 +35,39 @@ def allow_fairseq_checkpoints() -> None:
 
 
 allow_fairseq_checkpoints()
+
+
+def _unreadable(exc: BaseException) -> bool:
+    """A damaged or truncated file, as opposed to any other failure while loading."""
+    if isinstance(exc, (EOFError, zipfile.BadZipFile)):
+        return True
+    if isinstance(exc, pickle.UnpicklingError):
+        return "Weights only load failed" not in str(exc)
+    message = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in message for s in ("PytorchStreamReader", "magic number", "zip archive"))
+
+
+def explain_unreadable_checkpoints(load):
+    """Wrap fairseq's ``load_checkpoint_to_cpu`` so a damaged file gives one clear line."""
+    if getattr(load, "explains_unreadable", False):
+        return load
+
+    @functools.wraps(load)
+    def load_checkpoint_to_cpu(path, *args, **kwargs):
+        try:
+            return load(path, *args, **kwargs)
+        except Exception as e:
+            if not _unreadable(e):
+                raise
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise PluginError(
+                f"cannot read checkpoint {path} ({first}): the file is damaged or incomplete; "
+                f"use another one (e.g. checkpoint_best.pt or an earlier checkpointN.pt)") from e
+
+    load_checkpoint_to_cpu.explains_unreadable = True
+    return load_checkpoint_to_cpu
+
+
+checkpoint_utils.load_checkpoint_to_cpu = explain_unreadable_checkpoints(
+    checkpoint_utils.load_checkpoint_to_cpu)

@@ -15,17 +15,26 @@ class PluginError(ValueError):
     """A user-facing error whose message says what is wrong and how to fix it."""
 
 
-def is_one_line_error(exc: BaseException) -> bool:
-    """Our own errors, and fairseq's "Size of sample #N is invalid ... skip this example with
-    --skip-invalid-size-inputs-valid-test", which already says what is wrong and how to fix it."""
-    return isinstance(exc, PluginError) or (
-        type(exc) is Exception and str(exc).startswith("Size of sample #"))
+def one_line_error(exc: BaseException):
+    """The message to print alone, or None: our own errors (also when fairseq re-raises them,
+    as --restore-file does with "Cannot load model parameters ..."), and fairseq's "Size of
+    sample #N is invalid ... skip this example with --skip-invalid-size-inputs-valid-test",
+    which already says what is wrong and how to fix it."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, PluginError):
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    if type(exc) is Exception and str(exc).startswith("Size of sample #"):
+        return str(exc)
+    return None
 
 
 def _print_plugin_errors_as_one_line(previous_hook):
     def hook(exc_type, exc, tb):
-        if is_one_line_error(exc):
-            sys.stderr.write(f"fairseq_plugin: error: {exc}\n")
+        message = one_line_error(exc)
+        if message is not None:
+            sys.stderr.write(f"fairseq_plugin: error: {message}\n")
             sys.stderr.flush()
         else:
             previous_hook(exc_type, exc, tb)

@@ -61,3 +61,18 @@ def cli(name, *args, env=None, check=True, input=None, cwd=None, timeout=900):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def reverse_data_bin(work, *reverse_args, joined=True, splits=("train", "valid", "test")):
+    """Generate the reverse task under work/raw and binarise it into work/bin."""
+    import reverse_data
+
+    reverse_data.main([str(work / "raw"), *map(str, reverse_args)])
+    return preprocess_reverse(work / "raw", work / "bin", joined=joined, splits=splits)
+
+
+def preprocess_reverse(raw, dest, joined=True, splits=("train", "valid", "test")):
+    cli("fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
+        *[f for s in splits for f in (f"--{s}pref", f"{raw}/{s}")],
+        "--destdir", dest, "--workers", "2", *(["--joined-dictionary"] if joined else []))
+    return dest

@@ -6,19 +6,14 @@ import sys
 
 import pytest
 import torch
+from fairseq.data import Dictionary
 
 import reverse_data
 import reverse_demo
-from conftest import PLUGIN_DIR, cli
+from conftest import PLUGIN_DIR, cli, preprocess_reverse
 
 TRAIN_EPOCHS = 30
 SEED = 1
-
-
-def preprocess(raw, dest, joined=True):
-    cli("fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
-        "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test",
-        "--destdir", dest, "--workers", "2", *(["--joined-dictionary"] if joined else []))
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +22,7 @@ def reverse_run(tmp_path_factory):
     w = tmp_path_factory.mktemp("reverse")
     raw, data_bin, ckpt = w / "raw", w / "data-bin", w / "checkpoints"
     reverse_data.main([str(raw)])
-    preprocess(raw, data_bin)
+    preprocess_reverse(raw, data_bin)
     proc = cli(*reverse_demo.train_command(str(data_bin), str(ckpt), TRAIN_EPOCHS, seed=SEED,
                                            extra=["--save-interval", str(TRAIN_EPOCHS)]))
     return {"dir": w, "raw": raw, "data_bin": data_bin, "checkpoint": ckpt / "checkpoint_last.pt",
@@ -149,7 +144,7 @@ def test_share_all_embeddings_without_joined_dictionary_fails_with_one_line(tmp_
         f.write("zz\n")
     with open(raw / "train.src", "a") as f:
         f.write("a\n")
-    preprocess(raw, tmp_path / "bin", joined=False)
+    preprocess_reverse(raw, tmp_path / "bin", joined=False)
     proc = train_quick(tmp_path / "bin", tmp_path, "--share-all-embeddings")
     assert_one_line_error(proc, "fairseq_plugin: error: --share-all-embeddings needs a joined "
                                 "dictionary", "--joined-dictionary")
@@ -182,3 +177,53 @@ def test_print_alignment_shows_the_reversal(reverse_run):
         alignments[i] == " ".join(f"{len(sources[i]) - 1 - j}-{j}" for j in range(len(sources[i])))
         for i in alignments)
     assert anti_diagonal / len(alignments) >= 0.9
+
+
+def test_corrupt_checkpoint_fails_with_one_line(reverse_run, tmp_path):
+    corrupt = tmp_path / "checkpoint_corrupt.pt"
+    corrupt.write_bytes(reverse_run["checkpoint"].read_bytes()[:5000])  # a truncated copy
+    proc = cli("fairseq-generate", reverse_run["data_bin"], "--user-dir", PLUGIN_DIR,
+               "--path", corrupt, "--cpu", check=False)
+    assert_one_line_error(proc, f"fairseq_plugin: error: cannot read checkpoint {corrupt}",
+                          "damaged or incomplete")
+
+
+def test_data_bin_with_another_dictionary_fails_with_one_line(reverse_run, tmp_path):
+    raw = tmp_path / "raw"
+    reverse_data.main([str(raw), "--train", "100", "--valid", "10", "--test", "10",
+                       "--vocab", "8"])
+    preprocess_reverse(raw, tmp_path / "bin")
+    proc = cli("fairseq-generate", tmp_path / "bin", "--user-dir", PLUGIN_DIR,
+               "--path", reverse_run["checkpoint"], "--cpu", check=False)
+    trained = len(Dictionary.load(str(reverse_run["data_bin"] / "dict.src.txt")))
+    other = len(Dictionary.load(str(tmp_path / "bin" / "dict.src.txt")))
+    assert trained != other
+    assert_one_line_error(proc, "fairseq_plugin: error: the checkpoint was trained with a "
+                                f"dictionary of {trained} types but this data's dictionary has "
+                                f"{other}", "dict.*.txt")
+
+
+def test_restore_file_of_another_architecture_fails_and_overwrites_nothing(reverse_run, tmp_path):
+    save = tmp_path / "other"
+    save.mkdir()
+    mine = save / "checkpoint_last.pt"
+    mine.write_bytes(b"my earlier run")
+    proc = train_quick(reverse_run["data_bin"], tmp_path, "--encoder-layers", "3",
+                       "--restore-file", reverse_run["checkpoint"], "--save-dir", save)
+    assert_one_line_error(proc, "fairseq_plugin: error: the checkpoint does not hold this "
+                                "model's parameters (missing encoder.layers.2.")
+    assert mine.read_bytes() == b"my earlier run"
+
+
+def test_interactive_skips_empty_and_over_long_lines_and_goes_on(reverse_run):
+    too_long = " ".join(["a"] * 1100)  # the model allows 1024 source positions
+    lines = ["a b c", "", too_long, "d e f g"]
+    proc = cli("fairseq-interactive", reverse_run["data_bin"], "--user-dir", PLUGIN_DIR,
+               "--path", reverse_run["checkpoint"], "--beam", "5", "--source-lang", "src",
+               "--target-lang", "tgt", "--cpu", input="\n".join(lines) + "\n")
+    hyps = {int(line.split("\t")[0][2:]): line.split("\t")[2]
+            for line in proc.stdout.splitlines() if line.startswith("H-")}
+    assert hyps == {0: "c b a", 3: "g f e d"}  # numbered by input line
+    assert "skipped an empty input line" in proc.stderr
+    assert (f'skipped input "{too_long[:37]}...": 1101 tokens, more than the model\'s 1024 '
+            f'(--max-source-positions)') in proc.stderr

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from fairseq.models import FairseqDecoder, FairseqEncoderDecoderModel
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build_tiny_model, make_dictionary, random_tokens
+from fairseq_plugin.recomputing import without_cache
 
 
 def padded_sources(d, lengths, left_pad):
@@ -118,26 +118,12 @@ def test_each_cache_is_reordered_exactly_once():
             assert torch.equal(state[key][name], cache[name].index_select(0, new_order)), key
 
 
-class RecomputingDecoder(FairseqDecoder):
-    """No cache: every step recomputes the whole prefix (the seeds' greedy_decode way)."""
-
-    def __init__(self, inner):
-        super().__init__(inner.dictionary)
-        self.inner = inner
-
-    def forward(self, prev_output_tokens, encoder_out=None, **unused):
-        return self.inner(prev_output_tokens, encoder_out=encoder_out)
-
-    def max_positions(self):
-        return self.inner.max_positions()
-
-
 def test_sequence_generator_beam4_gives_the_same_hypotheses_with_and_without_cache():
     d = make_dictionary(40)
     model = build_tiny_model(d)
     with torch.no_grad():  # sharper distributions than random init, so beams differ clearly
         model.decoder.generator.proj.weight.mul_(4.0)
-    recomputing = FairseqEncoderDecoderModel(model.encoder, RecomputingDecoder(model.decoder)).eval()
+    recomputing = without_cache(model)
     src, lengths = padded_sources(d, [6, 9, 4, 7, 2], left_pad=True)
     sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
 

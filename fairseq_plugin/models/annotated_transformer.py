@@ -270,6 +270,11 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         model.init_parameters_()
         return model
 
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        """Refuse, in one line, a checkpoint of another architecture or dictionary size."""
+        check_compatible(self.state_dict(), state_dict)
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+
     def init_parameters_(self):
         """The notebook's initialisation: Glorot / fan_avg uniform for every matrix.
 
@@ -288,6 +293,27 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
             if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                 with torch.no_grad():
                     module.weight[module.padding_idx].zero_()
+
+
+def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor]) -> None:
+    """Explain why a checkpoint's parameters do not fit this model, or return."""
+    missing = [k for k in expected if k not in loaded]
+    if missing:
+        unexpected = [k for k in loaded if k not in expected]
+        raise PluginError(
+            f"the checkpoint does not hold this model's parameters (missing {missing[0]}"
+            + (f", has {unexpected[0]} instead" if unexpected else "")
+            + "); it was trained with another --arch or other flags: load it with those")
+    for k, v in expected.items():
+        if tuple(loaded[k].shape) != tuple(v.shape):
+            if k.endswith("embeddings.lut.weight") or k.endswith("generator.proj.weight"):
+                raise PluginError(
+                    f"the checkpoint was trained with a dictionary of {loaded[k].shape[0]} "
+                    f"types but this data's dictionary has {v.shape[0]}; use the data-bin "
+                    f"(dict.*.txt) the model was trained with")
+            raise PluginError(
+                f"the checkpoint's {k} has shape {tuple(loaded[k].shape)} but this model's has "
+                f"{tuple(v.shape)}; it was trained with other sizes: load it with those flags")
 
 
 def _check_layer_norm_flags(args):

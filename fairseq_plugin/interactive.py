@@ -1,0 +1,55 @@
+"""fairseq-interactive: skip empty and over-long input lines with a message, and go on.
+
+Without this, an over-long line ends the whole session with fairseq's "Size of sample #0 is
+invalid" error, and an empty line is "translated" from nothing. When the plugin is loaded by
+fairseq-interactive (``--user-dir fairseq_plugin``), its ``make_batches`` is wrapped: each such
+line gets one message on stderr, the other lines are translated, and every output keeps the
+number of its input line.
+"""
+
+import functools
+import sys
+
+import torch
+
+
+def _preview(line: str, width: int = 40) -> str:
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def checked_make_batches(make_batches):
+    if getattr(make_batches, "checks_inputs", False):
+        return make_batches
+
+    @functools.wraps(make_batches)
+    def wrapper(lines, cfg, task, max_positions, encode_fn):
+        limit = max_positions[0] if isinstance(max_positions, (tuple, list)) else max_positions
+        _, lengths = task.get_interactive_tokens_and_lengths(lines, encode_fn)
+        keep = []
+        for i, (line, n) in enumerate(zip(lines, lengths)):
+            if not line.strip():
+                sys.stderr.write("fairseq_plugin: skipped an empty input line: nothing to "
+                                 "translate\n")
+            elif limit is not None and n > limit:
+                sys.stderr.write(
+                    f'fairseq_plugin: skipped input "{_preview(line)}": {n} tokens, more than '
+                    f"the model's {limit} (--max-source-positions); split it into shorter "
+                    f"sentences\n")
+            else:
+                keep.append(i)
+        sys.stderr.flush()
+        if not keep:
+            return
+        original = torch.tensor(keep)
+        for batch in make_batches([lines[i] for i in keep], cfg, task, max_positions, encode_fn):
+            yield batch._replace(ids=original[batch.ids])
+
+    wrapper.checks_inputs = True
+    return wrapper
+
+
+def install():
+    """Wrap fairseq-interactive's batching when it is the running command."""
+    module = sys.modules.get("fairseq_cli.interactive")
+    if module is not None:
+        module.make_batches = checked_make_batches(module.make_batches)

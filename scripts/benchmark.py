@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""Speed and memory of annotated_transformer against fairseq's transformer, side by side.
+
+Both architectures get identical hyper-parameters and data; runs alternate A B A B over
+--rounds rounds in one invocation, and the table gives medians and ratios (ours / fairseq's):
+
+- training: target words/s through fairseq-train (median of the logged intervals after the
+  first), and the process's peak resident memory;
+- generation: tokens/s through fairseq-generate --beam 5 (every hypothesis forced to the same
+  length with --min-len/--max-len-b, so both do the same work), and peak memory;
+- the cache: greedy and beam-5 decoding of annotated_transformer with fairseq's
+  SequenceGenerator, with the incremental cache versus recomputing the whole prefix at every
+  step (the seeds' way), at 25, 50 and 100 target tokens.
+
+Data: a generated corpus with a Zipf-like vocabulary (~6k types) and sentence lengths 8-40, or a
+prepared data-bin (--data-bin). Sizes: d_model 256, 4+4 layers, d_ff 1024, 4 heads by default;
+--preset base|iwslt|tiny for others. Absolute numbers move +-10% between runs on shared machines:
+read the ratios.
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from _common import fairseq_cli, plugin_dir
+
+PRESETS = {  # layers, d_model, d_ff, heads
+    "default": (4, 256, 1024, 4),
+    "tiny": (2, 64, 256, 4),
+    "iwslt": (6, 512, 1024, 4),
+    "base": (6, 512, 2048, 8),
+}
+ARCHS = ("annotated_transformer", "transformer")
+
+
+def zipf_corpus(path, n_sentences, vocab, rng, min_len=8, max_len=40, exponent=1.1):
+    weights = [1.0 / (r ** exponent) for r in range(1, vocab + 1)]
+    words = [f"w{r}" for r in range(vocab)]
+    with open(path, "w") as f:
+        for _ in range(n_sentences):
+            f.write(" ".join(rng.choices(words, weights, k=rng.randint(min_len, max_len))) + "\n")
+
+
+def make_data(work, n_train, n_test, vocab, seed=1):
+    rng = random.Random(seed)
+    raw = os.path.join(work, "raw")
+    os.makedirs(raw, exist_ok=True)
+    for split, n in (("train", n_train), ("valid", 200), ("test", n_test)):
+        for lang in ("src", "tgt"):
+            zipf_corpus(os.path.join(raw, f"{split}.{lang}"), n, vocab, rng)
+    dest = os.path.join(work, "data-bin")
+    subprocess.run([fairseq_cli("fairseq-preprocess"), "--source-lang", "src", "--target-lang",
+                    "tgt", "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid",
+                    "--testpref", f"{raw}/test", "--destdir", dest, "--joined-dictionary",
+                    "--workers", "2"], check=True, capture_output=True)
+    return dest
+
+
+def model_flags(preset):
+    layers, d, ff, heads = PRESETS[preset]
+    return ["--encoder-layers", layers, "--decoder-layers", layers, "--encoder-embed-dim", d,
+            "--decoder-embed-dim", d, "--encoder-ffn-embed-dim", ff, "--decoder-ffn-embed-dim",
+            ff, "--encoder-attention-heads", heads, "--decoder-attention-heads", heads,
+            "--share-all-embeddings", "--dropout", "0.1"]
+
+
+def run_measured(cmd):
+    """Run a command; return (stdout + stderr, peak resident memory in MB)."""
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        sys.stderr.write(out[-3000:])
+        raise SystemExit(f"benchmark: error: {os.path.basename(str(cmd[0]))} failed")
+    return out, usage.ru_maxrss / 1024.0
+
+
+def train_run(data_bin, arch, preset, save_dir, updates, max_tokens):
+    out, rss = run_measured([
+        fairseq_cli("fairseq-train"), data_bin, "--user-dir", plugin_dir(), "--arch", arch,
+        *model_flags(preset), "--criterion", "label_smoothed_cross_entropy",
+        "--label-smoothing", "0.1", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
+        "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
+        "--max-tokens", max_tokens, "--max-update", updates, "--seed", "1", "--cpu",
+        "--save-dir", save_dir, "--no-epoch-checkpoints", "--disable-validation",
+        "--log-format", "json", "--log-interval", "5", "--num-workers", "0"])
+    wps = [float(json.loads(line[line.index("{"):])["wps"])
+           for line in out.splitlines() if "train_inner" in line and "{" in line]
+    if len(wps) < 2:
+        raise SystemExit("benchmark: error: too few logged intervals; raise --train-updates")
+    return statistics.median(wps[1:]), rss
+
+
+def generate_run(data_bin, checkpoint, length, max_tokens):
+    out, rss = run_measured([
+        fairseq_cli("fairseq-generate"), data_bin, "--user-dir", plugin_dir(),
+        "--path", checkpoint, "--beam", "5", "--min-len", length, "--max-len-a", "0",
+        "--max-len-b", length, "--max-tokens", max_tokens, "--required-batch-size-multiple", "1",
+        "--cpu"])
+    for line in out.splitlines():
+        if "Translated" in line and "tokens/s" in line:
+            return float(line.split("sentences/s, ")[1].split(" tokens/s")[0]), rss
+    raise SystemExit("benchmark: error: fairseq-generate printed no speed")
+
+
+def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=3):
+    """annotated_transformer: seconds per decoding with and without the cache."""
+    import torch
+    from fairseq import checkpoint_utils
+    from fairseq.sequence_generator import SequenceGenerator
+
+    from fairseq_plugin.recomputing import without_cache
+
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [checkpoint], arg_overrides={"data": data_bin})
+    model = models[0].eval()
+
+    recomputing = without_cache(model)
+    d = task.source_dictionary
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(d.nspecial, len(d), (n_sentences, 24), generator=g)
+    src[:, -1] = d.eos()
+    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((n_sentences,), 24)}}
+    rows = []
+    for beam in (1, 5):
+        for length in lengths:
+            times = {}
+            for name, m in (("cached", model), ("recomputed", recomputing)):
+                gen = SequenceGenerator([m], task.target_dictionary, beam_size=beam,
+                                        min_len=length, max_len_a=0, max_len_b=length)
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    with torch.no_grad():
+                        gen.generate([m], sample)
+                    best = min(best, time.perf_counter() - start)
+                times[name] = best
+            rows.append((beam, length, times["cached"], times["recomputed"]))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--data-bin", help="a prepared data-bin instead of generated data")
+    p.add_argument("--train-sentences", type=int, default=20000)
+    p.add_argument("--test-sentences", type=int, default=200)
+    p.add_argument("--vocab", type=int, default=6000)
+    p.add_argument("--train-updates", type=int, default=25)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--gen-length", type=int, default=30, help="target tokens per hypothesis")
+    p.add_argument("--cache-lengths", default="25,50,100")
+    p.add_argument("--work-dir", help="keep data and checkpoints here (default: a temp dir)")
+    p.add_argument("--skip-cache", action="store_true", help="skip the cache measurements")
+    args = p.parse_args(argv)
+
+    work = args.work_dir or tempfile.mkdtemp(prefix="benchmark-")
+    os.makedirs(work, exist_ok=True)
+    data_bin = args.data_bin or make_data(work, args.train_sentences, args.test_sentences,
+                                          args.vocab)
+    print(f"benchmark: preset {args.preset} {PRESETS[args.preset]} (layers, d_model, d_ff, "
+          f"heads), {args.rounds} rounds, data {data_bin}, torch threads "
+          f"{os.environ.get('OMP_NUM_THREADS', 'default')}", flush=True)
+    results = {arch: {"train_wps": [], "train_mb": [], "gen_tps": [], "gen_mb": []}
+               for arch in ARCHS}
+    for r in range(args.rounds):
+        for arch in ARCHS:
+            save = os.path.join(work, f"{arch}-round{r}")
+            wps, mb = train_run(data_bin, arch, args.preset, save, args.train_updates,
+                                args.max_tokens)
+            tps, gen_mb = generate_run(data_bin, os.path.join(save, "checkpoint_last.pt"),
+                                       args.gen_length, args.max_tokens)
+            res = results[arch]
+            res["train_wps"].append(wps)
+            res["train_mb"].append(mb)
+            res["gen_tps"].append(tps)
+            res["gen_mb"].append(gen_mb)
+            print(f"  round {r + 1} {arch:22s} train {wps:8.0f} wps {mb:6.0f} MB   "
+                  f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB", flush=True)
+
+    med = {a: {k: statistics.median(v) for k, v in res.items()} for a, res in results.items()}
+    ours, theirs = med["annotated_transformer"], med["transformer"]
+    print(f"\n| medians of {args.rounds} rounds | annotated_transformer | transformer | ratio |")
+    print("|---|---|---|---|")
+    for key, label in (("train_wps", "training, target words/s"),
+                       ("gen_tps", "generation beam 5, tokens/s"),
+                       ("train_mb", "training peak memory, MB"),
+                       ("gen_mb", "generation peak memory, MB")):
+        print(f"| {label} | {ours[key]:.0f} | {theirs[key]:.0f} | {ours[key] / theirs[key]:.2f}x |")
+
+    if not args.skip_cache:
+        lengths = [int(x) for x in args.cache_lengths.split(",")]
+        checkpoint = os.path.join(work, "annotated_transformer-round0", "checkpoint_last.pt")
+        rows = cache_speedups(checkpoint, data_bin, lengths)
+        print("\n| annotated_transformer decoding 20 sentences | target tokens | cached, s | "
+              "recomputing the prefix, s | speed-up |")
+        print("|---|---|---|---|---|")
+        for beam, length, cached, recomputed in rows:
+            name = "greedy" if beam == 1 else f"beam {beam}"
+            print(f"| {name} | {length} | {cached:.3f} | {recomputed:.3f} | "
+                  f"{recomputed / cached:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()

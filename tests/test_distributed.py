@@ -1,0 +1,68 @@
+"""fairseq's distributed training with this plugin, proven on 2 CPU ranks."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import launch_cpu_ranks
+from conftest import PLUGIN_DIR, cli, reverse_data_bin
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    return reverse_data_bin(tmp_path_factory.mktemp("ddp"), "--train", 1500, "--valid", 100,
+                            splits=("train", "valid"))
+
+
+def train_args(data_bin, save_dir):
+    # no dropout: the same batches must give the same numbers however they are spread
+    return [sys.executable, os.path.join(HERE, "dump_params_train.py"), str(data_bin),
+            "--user-dir", PLUGIN_DIR, "--arch", "annotated_transformer_tiny",
+            "--share-all-embeddings", "--dropout", "0", "--criterion", "annotated_label_smoothing",
+            "--optimizer", "adam", "--lr-scheduler", "noam", "--warmup-updates", "10",
+            "--max-tokens", "500", "--max-update", "12", "--seed", "3",
+            "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--no-save-optimizer-state",
+            "--log-format", "json", "--log-interval", "1", "--num-workers", "0",
+            "--disable-validation"]
+
+
+def training_losses(log_text):
+    losses = {}
+    for line in log_text.splitlines():
+        start = line.find("{")
+        if "train_inner" in line and start >= 0:
+            entry = json.loads(line[start:])
+            losses[int(entry["num_updates"])] = float(entry["loss"])
+    return losses
+
+
+def test_two_ranks_equal_one_rank_with_update_freq_2(data_bin, tmp_path, capfd):
+    single = cli(*train_args(data_bin, tmp_path / "single"), "--update-freq", "2", "--cpu")
+    status = launch_cpu_ranks.launch(train_args(data_bin, tmp_path / "ddp"), nprocs=2,
+                                     log_dir=str(tmp_path / "logs"))
+    rank0_out = capfd.readouterr()
+    assert status == 0, rank0_out.err[-3000:]
+    one, two = training_losses(single.stdout + single.stderr), training_losses(rank0_out.out +
+                                                                               rank0_out.err)
+    assert sorted(one) == sorted(two) == list(range(1, 13))
+    assert all(abs(one[k] - two[k]) <= 1e-3 for k in one), (one, two)
+    assert len(set(one.values())) > 1  # really training
+
+    rank0 = torch.load(tmp_path / "ddp" / "params_rank0.pt")
+    rank1 = torch.load(tmp_path / "ddp" / "params_rank1.pt")
+    assert set(rank0) == set(rank1)
+    for k in rank0:
+        assert torch.equal(rank0[k], rank1[k]), k
+    reference = torch.load(tmp_path / "single" / "params_rank0.pt")
+    assert max((rank0[k] - reference[k]).abs().max().item() for k in rank0) < 1e-4
+
+
+def test_a_failing_rank_stops_the_launch(tmp_path):
+    status = launch_cpu_ranks.launch([sys.executable, "-c", "import sys; sys.exit(3)"], nprocs=2,
+                                     log_dir=str(tmp_path))
+    assert status == 3

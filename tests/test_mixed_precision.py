@@ -1,0 +1,55 @@
+"""fp16 / bf16: no inf or NaN with padded batches, outputs close to fp32."""
+
+import pytest
+import torch
+
+from conftest import build_tiny_model, make_dictionary, random_tokens
+from fairseq_plugin.criterions.annotated_label_smoothing import annotated_label_smoothing_loss
+
+
+def padded_batch(d):
+    src = random_tokens(d, 4, 9)
+    src[1, :5] = d.pad()  # left padding
+    src[3, :] = d.pad()  # a sentence that is all padding
+    src[3, -1] = d.eos()
+    tgt = random_tokens(d, 4, 7)
+    tgt[2, 4:] = d.pad()
+    prev = torch.cat([torch.full((4, 1), d.eos()), tgt[:, :-1]], 1)
+    return src, src.ne(d.pad()).sum(1), prev, tgt
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_model_gives_finite_outputs_close_to_fp32(dtype):
+    d = make_dictionary(50)
+    model = build_tiny_model(d)
+    src, lengths, prev, tgt = padded_batch(d)
+    with torch.no_grad():
+        ref = model.get_normalized_probs(model(src, lengths, prev), log_probs=True)
+        model = model.to(dtype)
+        net_output = model(src, lengths, prev)
+        lprobs = model.get_normalized_probs(net_output, log_probs=True)
+    assert net_output[0].dtype == dtype
+    assert torch.isfinite(net_output[0]).all()
+    assert lprobs.dtype == torch.float32  # fairseq's log-softmax runs in fp32
+    real = tgt.ne(d.pad())
+    tol = 0.05 if dtype == torch.float16 else 0.25
+    assert (lprobs - ref)[real].abs().max() < tol
+    loss, nll = annotated_label_smoothing_loss(lprobs.view(-1, len(d)), tgt.view(-1), 0.1, d.pad())
+    assert torch.isfinite(loss) and torch.isfinite(nll)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_incremental_decoding_matches_its_full_pass(dtype):
+    d = make_dictionary(50)
+    model = build_tiny_model(d).to(dtype)
+    src, lengths, prev, _ = padded_batch(d)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, lengths)
+        full = model.decoder(prev, encoder_out=encoder_out)[0]
+        state = {}
+        steps = [model.decoder(prev[:, :t], encoder_out=encoder_out, incremental_state=state)[0]
+                 for t in range(1, prev.size(1) + 1)]
+    incremental = torch.cat(steps, 1)
+    assert torch.isfinite(incremental).all()
+    tol = 0.02 if dtype == torch.float16 else 0.1
+    assert (incremental.float() - full.float()).abs().max() < tol
