@@ -6,6 +6,7 @@ joint BPE (subword-nmt), fairseq-preprocess --joined-dictionary.
   prepare_translation.py --source-lang de --target-lang en --raw-dir RAW --dest data-bin/xx
   # a named corpus, downloaded when online, or read from --raw-dir
   prepare_translation.py --corpus multi30k --dest data-bin/multi30k [--raw-dir DIR]
+  prepare_translation.py --corpus iwslt14 --dest data-bin/iwslt14 [--raw-dir de-en/ or de-en.tgz]
   prepare_translation.py --corpus tatoeba --dest data-bin/tatoeba      (bundled sample)
 
 DEST receives the binarised data and dictionaries (fairseq-preprocess), ``bpe.codes``,
@@ -37,6 +38,13 @@ CORPORA = {
                                   ("test2016", "test_2016_flickr"))
             for lang in ("de", "en")
         },
+    },
+    "iwslt14": {
+        # IWSLT'14 TED talks de-en, as fairseq's examples use it (their mirror of the WIT3 files):
+        # train.tags.de-en.* minus every 23rd line (valid), test = dev2010 + dev2012 + tst2010-12
+        "source_lang": "de", "target_lang": "en",
+        "splits": {"train": "train", "valid": "valid", "test": "test"},
+        "archive": "http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz",
     },
     "tatoeba": {
         "source_lang": "de", "target_lang": "en",
@@ -85,13 +93,11 @@ def read_parallel(raw_dir, prefix, src, tgt):
     return sides
 
 
-def download(corpus, raw_dir):
-    """Fetch a named corpus's raw files into raw_dir (gunzipped)."""
-    os.makedirs(raw_dir, exist_ok=True)
-    for name, url in CORPORA[corpus]["download"].items():
-        target = os.path.join(raw_dir, name)
-        if os.path.exists(target):
-            continue
+def fetch(url, directory):
+    """Download url into directory (once); return the file's path."""
+    os.makedirs(directory, exist_ok=True)
+    target = os.path.join(directory, url.rsplit("/", 1)[-1])
+    if not os.path.exists(target):
         print(f"downloading {url}", flush=True)
         try:
             with urllib.request.urlopen(url, timeout=60) as r:
@@ -99,8 +105,85 @@ def download(corpus, raw_dir):
         except OSError as e:
             raise PrepareError(f"cannot download {url} ({e}); on a machine without internet "
                                f"access, pass the raw files with --raw-dir")
-        with open(target, "wb") as f:
-            f.write(gzip.decompress(data) if url.endswith(".gz") else data)
+        with open(target + ".part", "wb") as f:
+            f.write(data)
+        os.replace(target + ".part", target)
+    return target
+
+
+def download(corpus, raw_dir):
+    """Fetch a named corpus's raw files into raw_dir (gunzipped)."""
+    os.makedirs(raw_dir, exist_ok=True)
+    for name, url in CORPORA[corpus]["download"].items():
+        target = os.path.join(raw_dir, name)
+        if not os.path.exists(target):
+            with open(fetch(url, raw_dir + ".download"), "rb") as f:
+                data = f.read()
+            with open(target, "wb") as f:
+                f.write(gzip.decompress(data) if url.endswith(".gz") else data)
+
+
+IWSLT_TEST_SETS = ["IWSLT14.TED.dev2010", "IWSLT14.TEDX.dev2012", "IWSLT14.TED.tst2010",
+                   "IWSLT14.TED.tst2011", "IWSLT14.TED.tst2012"]
+IWSLT_META_TAGS = ("<url", "<talkid", "<keywords", "<speaker", "<reviewer", "<translator",
+                   "<doc", "</doc")
+
+
+def _iwslt_train_lines(path):
+    """train.tags.de-en.LANG: drop the talks' metadata lines, keep titles and descriptions."""
+    import re
+
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith(IWSLT_META_TAGS):
+                continue
+            out.append(re.sub(r"</?(title|description)>", "", line).strip())
+    return out
+
+
+def _iwslt_xml_segments(path):
+    import re
+
+    with open(path, encoding="utf-8") as f:
+        return [m.group(1).strip() for m in re.finditer(r"<seg[^>]*>(.*?)</seg>", f.read())]
+
+
+def iwslt14_to_raw(extracted, raw_dir, src="de", tgt="en"):
+    """The extracted de-en/ folder (or the .tgz) -> raw_dir/{train,valid,test}.{de,en}."""
+    import tarfile
+
+    if os.path.isfile(extracted):
+        with tarfile.open(extracted) as tar:
+            where = os.path.dirname(os.path.abspath(extracted))
+            if hasattr(tarfile, "data_filter"):  # refuse unsafe members where Python can
+                tar.extractall(where, filter="data")
+            else:
+                tar.extractall(where)
+        extracted = os.path.join(os.path.dirname(os.path.abspath(extracted)), "de-en")
+    pair = f"{src}-{tgt}"
+    train = {}
+    for lang in (src, tgt):
+        path = os.path.join(extracted, f"train.tags.{pair}.{lang}")
+        if not os.path.exists(path):
+            raise PrepareError(f"missing {path}: --raw-dir for iwslt14 is the extracted "
+                               f"{pair}/ folder (or {pair}.tgz) of IWSLT'14")
+        train[lang] = _iwslt_train_lines(path)
+    if len(train[src]) != len(train[tgt]):
+        raise PrepareError(f"IWSLT'14 train.tags files differ in length after cleaning "
+                           f"({len(train[src])} vs {len(train[tgt])})")
+    os.makedirs(raw_dir, exist_ok=True)
+    for lang in (src, tgt):
+        lines = train[lang]
+        test = [seg for name in IWSLT_TEST_SETS
+                for seg in _iwslt_xml_segments(os.path.join(extracted, f"{name}.{pair}.{lang}.xml"))]
+        for split, part in (("train", [x for i, x in enumerate(lines, 1) if i % 23]),
+                            ("valid", [x for i, x in enumerate(lines, 1) if i % 23 == 0]),
+                            ("test", test)):
+            with open(os.path.join(raw_dir, f"{split}.{lang}"), "w", encoding="utf-8") as f:
+                f.writelines(x + "\n" for x in part)
+    return raw_dir
 
 
 class MosesPipeline:
@@ -217,7 +300,10 @@ def main(argv=None):
             splits[split] = getattr(args, split)
     raw_dir = args.raw_dir or corpus.get("bundled")
     try:
-        if raw_dir is None:
+        if "archive" in corpus:  # iwslt14: an archive to fetch (or given) and convert
+            archive = raw_dir or fetch(corpus["archive"], args.dest + ".download")
+            raw_dir = iwslt14_to_raw(archive, args.dest + ".raw", src, tgt)
+        elif raw_dir is None:
             if "download" not in corpus:
                 p.error("give --raw-dir (or a named --corpus)")
             raw_dir = os.path.join(args.dest + ".raw")

@@ -1,10 +1,12 @@
 """The model as fairseq builds it: sharing, gradients, bad configurations."""
 
+import os
 from argparse import Namespace
 
 import pytest
 import torch
 
+import fairseq_plugin
 from conftest import build_tiny_model, make_dictionary, random_tokens
 from fairseq_plugin.criterions.annotated_label_smoothing import AnnotatedLabelSmoothingCriterion
 from fairseq_plugin.errors import PluginError
@@ -101,3 +103,30 @@ def test_too_long_source_is_a_clear_error():
     with pytest.raises(PluginError, match="source sentence has 9 tokens .* at most 8 "
                                           r"\(--max-source-positions\)"):
         model.encoder(random_tokens(d, 1, 9))
+
+
+def test_a_working_transformer_command_parses_with_the_annotated_arch(tmp_path):
+    """fairseq's IWSLT'14 example command, with only the --arch swapped."""
+    from fairseq import options
+
+    command = ("DATA --arch {arch} --share-decoder-input-output-embed --optimizer adam "
+               "--adam-betas (0.9,0.98) --clip-norm 0.0 --lr 5e-4 --lr-scheduler inverse_sqrt "
+               "--warmup-updates 4000 --dropout 0.3 --weight-decay 0.0001 "
+               "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-tokens 4096 "
+               "--attention-dropout 0.1 --activation-dropout 0.1 --activation-fn relu "
+               "--encoder-layers 6 --decoder-layers 6 --encoder-embed-dim 512 "
+               "--decoder-embed-dim 512 --encoder-ffn-embed-dim 1024 --decoder-ffn-embed-dim 1024 "
+               "--encoder-attention-heads 4 --decoder-attention-heads 4 --encoder-learned-pos "
+               "--decoder-learned-pos --encoder-normalize-before --decoder-normalize-before "
+               "--max-source-positions 256 --max-target-positions 256 --no-scale-embedding "
+               "--user-dir " + os.path.dirname(fairseq_plugin.__file__))
+    parsed = {}
+    for arch in ("transformer_iwslt_de_en", "annotated_transformer_iwslt_de_en"):
+        parser = options.get_training_parser()
+        parsed[arch] = options.parse_args_and_arch(parser, command.format(arch=arch).split())
+    ours = parsed["annotated_transformer_iwslt_de_en"]
+    for name in ("encoder_layers", "encoder_embed_dim", "encoder_ffn_embed_dim",
+                 "decoder_attention_heads", "dropout", "attention_dropout", "activation_dropout",
+                 "share_decoder_input_output_embed", "encoder_learned_pos",
+                 "max_source_positions", "no_scale_embedding"):
+        assert getattr(ours, name) == getattr(parsed["transformer_iwslt_de_en"], name), name

@@ -147,3 +147,42 @@ def test_averaging_refuses_to_overwrite_and_to_average_too_few(trained, tmp_path
         average_checkpoints.main(["--inputs", str(ckpt / "checkpoint1.pt"),
                                   "--output", str(existing)])
     assert existing.read_text() == "precious"
+
+
+def test_python_api_translates_like_fairseq_generate(prepared, trained):
+    from fairseq_plugin import AnnotatedTransformerModel
+
+    w, _ = prepared
+    _, ckpt = trained
+    hub = AnnotatedTransformerModel.from_pretrained(
+        str(ckpt), checkpoint_file="checkpoint_last.pt", data_name_or_path=str(w / "bin"),
+        bpe="subword_nmt", bpe_codes=str(w / "bin" / "bpe.codes"), tokenizer="moses",
+        source_lang="de", target_lang="en")
+    hyps, settings = evaluate_bleu.generate_detokenised(str(w / "bin"),
+                                                        str(ckpt / "checkpoint_last.pt"))
+    sources = (w / "bin" / "raw" / "test.de").read_text(encoding="utf-8").splitlines()
+    for i in range(3):
+        assert hub.translate(sources[i], beam=5) == hyps[i]
+
+
+def test_iwslt14_files_become_train_valid_test(tmp_path):
+    """The IWSLT'14 layout: tagged training text and XML test sets."""
+    d = tmp_path / "de-en"
+    d.mkdir()
+    for lang, word in (("de", "Satz"), ("en", "sentence")):
+        lines = ["<url>http://www.ted.com/talks/x</url>", "<talkid>1</talkid>",
+                 f"<title>Titel {lang}</title>", f"<description>TED: {word}</description>"]
+        lines += [f"{word} {i} ." for i in range(50)]
+        (d / f"train.tags.de-en.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        for name in prepare_translation.IWSLT_TEST_SETS:
+            (d / f"{name}.de-en.{lang}.xml").write_text(
+                f'<refset><doc docid="1">\n<seg id="1"> {name} {word} eins </seg>\n'
+                f'<seg id="2">{name} {word} zwei</seg>\n</doc></refset>\n', encoding="utf-8")
+    raw = prepare_translation.iwslt14_to_raw(str(d), str(tmp_path / "raw"))
+    read = lambda name: open(os.path.join(raw, name), encoding="utf-8").read().splitlines()  # noqa: E731
+    train, valid, test = read("train.en"), read("valid.en"), read("test.en")
+    assert len(train) + len(valid) == 52 and len(valid) == 2  # every 23rd line
+    assert train[0] == "Titel en" and train[1] == "TED: sentence"
+    assert not any("<" in line for line in train + valid)
+    assert test[0] == "IWSLT14.TED.dev2010 sentence eins" and len(test) == 10
+    assert len(read("test.de")) == 10 and read("valid.de")[0] == valid[0].replace("sentence", "Satz")

@@ -68,7 +68,6 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
                 args.dropout, args.encoder_normalize_before)
             for _ in range(args.encoder_layers)])
         self.norm = nn.LayerNorm(d) if args.encoder_normalize_before else None
-        self.max_source_positions = args.max_source_positions
 
     def forward(self, src_tokens: Tensor, src_lengths: Optional[Tensor] = None,
                 return_all_hiddens: bool = False, **unused):
@@ -100,7 +99,7 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
                 for key, value in encoder_out.items()}
 
     def max_positions(self) -> int:
-        return self.max_source_positions if self.embed.positional is not None else int(1e6)
+        return self.embed.max_positions
 
 
 class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
@@ -130,7 +129,6 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
             for _ in range(args.decoder_layers)])
         self.norm = nn.LayerNorm(d) if args.decoder_normalize_before else None
         self.generator = Generator(d, len(dictionary), output_weight)
-        self.max_target_positions = args.max_target_positions
         # return the source attention outside training (fairseq-generate turns it off unless
         # --print-alignment, through make_generation_fast_)
         self.need_attn = True
@@ -193,7 +191,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         return self.generator(features)
 
     def max_positions(self) -> int:
-        return self.max_target_positions if self.embed.positional is not None else int(1e6)
+        return self.embed.max_positions
 
     def make_generation_fast_(self, need_attn: bool = False, **unused):
         self.need_attn = need_attn

@@ -95,6 +95,7 @@ class EmbeddingLayer(nn.Module):
 
     @property
     def max_positions(self) -> int:
+        """Longest sentence this layer can encode (no limit without positional encodings)."""
         return self.positional.max_positions if self.positional is not None else int(1e6)
 
     def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
