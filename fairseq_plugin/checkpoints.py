@@ -14,7 +14,9 @@ file, instead of a zip-reader traceback.
 """
 
 import argparse
+import errno
 import functools
+import os
 import pickle
 import zipfile
 
@@ -41,6 +43,8 @@ def _unreadable(exc: BaseException) -> bool:
     """A damaged or truncated file, as opposed to any other failure while loading."""
     if isinstance(exc, (EOFError, zipfile.BadZipFile)):
         return True
+    if isinstance(exc, OSError):  # torch's zip reader on a truncated file: EINVAL
+        return exc.errno == errno.EINVAL
     if isinstance(exc, pickle.UnpicklingError):
         return "Weights only load failed" not in str(exc)
     message = str(exc)
@@ -58,9 +62,13 @@ def explain_unreadable_checkpoints(load):
         try:
             return load(path, *args, **kwargs)
         except Exception as e:
-            if not _unreadable(e):
+            # torch writes zip files; a file that is not one is damaged (or not a checkpoint)
+            not_a_zip = (isinstance(path, str) and os.path.isfile(path)
+                         and not zipfile.is_zipfile(path))
+            if not (_unreadable(e) or not_a_zip):
                 raise
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            first = ("not the zip archive torch writes" if not_a_zip
+                     else (str(e).strip().splitlines() or [type(e).__name__])[0])
             raise PluginError(
                 f"cannot read checkpoint {path} ({first}): the file is damaged or incomplete; "
                 f"use another one (e.g. checkpoint_best.pt or an earlier checkpointN.pt)") from e

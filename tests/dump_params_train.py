@@ -15,9 +15,10 @@ _save_checkpoint = checkpoint_utils.save_checkpoint
 
 
 def save_checkpoint_and_params(cfg, trainer, epoch_itr, val_loss):
-    os.makedirs(cfg.checkpoint.save_dir, exist_ok=True)
+    """cfg is fairseq's checkpoint config (cfg.checkpoint of the training config)."""
+    os.makedirs(cfg.save_dir, exist_ok=True)
     params = {k: v.detach().clone() for k, v in trainer.get_model().state_dict().items()}
-    torch.save(params, os.path.join(cfg.checkpoint.save_dir,
+    torch.save(params, os.path.join(cfg.save_dir,
                                     f"params_rank{trainer.data_parallel_rank}.pt"))
     return _save_checkpoint(cfg, trainer, epoch_itr, val_loss)
 

@@ -186,6 +186,10 @@ def test_corrupt_checkpoint_fails_with_one_line(reverse_run, tmp_path):
                "--path", corrupt, "--cpu", check=False)
     assert_one_line_error(proc, f"fairseq_plugin: error: cannot read checkpoint {corrupt}",
                           "damaged or incomplete")
+    corrupt.write_bytes(b"not a checkpoint at all")
+    proc = cli("fairseq-generate", reverse_run["data_bin"], "--user-dir", PLUGIN_DIR,
+               "--path", corrupt, "--cpu", check=False)
+    assert_one_line_error(proc, f"cannot read checkpoint {corrupt} (not the zip archive")
 
 
 def test_data_bin_with_another_dictionary_fails_with_one_line(reverse_run, tmp_path):

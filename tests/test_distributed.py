@@ -58,8 +58,10 @@ def test_two_ranks_equal_one_rank_with_update_freq_2(data_bin, tmp_path, capfd):
     assert set(rank0) == set(rank1)
     for k in rank0:
         assert torch.equal(rank0[k], rank1[k]), k
+    # and the same model as one rank, up to the order of floating-point sums (all-reduce vs
+    # accumulation) amplified by 12 Adam steps at a learning rate up to 0.04
     reference = torch.load(tmp_path / "single" / "params_rank0.pt")
-    assert max((rank0[k] - reference[k]).abs().max().item() for k in rank0) < 1e-4
+    assert max((rank0[k] - reference[k]).abs().max().item() for k in rank0) < 1e-3
 
 
 def test_a_failing_rank_stops_the_launch(tmp_path):
