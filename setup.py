@@ -20,7 +20,7 @@ setup(
         "subword-nmt",
         "sacrebleu>=2",
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest", "matplotlib"], "viz": ["matplotlib"]},
     entry_points={
         "console_scripts": [
             "annotated-average-checkpoints=fairseq_plugin.average_checkpoints:main",

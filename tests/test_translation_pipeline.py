@@ -186,3 +186,28 @@ def test_iwslt14_files_become_train_valid_test(tmp_path):
     assert not any("<" in line for line in train + valid)
     assert test[0] == "IWSLT14.TED.dev2010 sentence eins" and len(test) == 10
     assert len(read("test.de")) == 10 and read("valid.de")[0] == valid[0].replace("sentence", "Satz")
+
+
+def test_attention_heatmaps_are_pngs_of_rows_summing_to_one(prepared, trained, tmp_path):
+    import attention_heatmaps
+
+    w, _ = prepared
+    _, ckpt = trained
+    hub = attention_heatmaps.load_hub(str(w / "bin"), str(ckpt / "checkpoint_last.pt"))
+    translation, drawn = attention_heatmaps.write_heatmaps(hub, "Tom öffnete das Bier.",
+                                                           str(tmp_path / "all"))
+    assert len(drawn) == 3 * 2 * 4  # kinds x layers x heads of annotated_transformer_tiny
+    assert sorted(os.listdir(tmp_path / "all")) == sorted(os.path.basename(p) for p in drawn)
+    for path, weights in drawn.items():
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        for row in weights:
+            assert abs(sum(row) - 1.0) < 1e-5
+    source_maps = [wts for p, wts in drawn.items() if "decoder_source" in p]
+    n_source = len(hub.encode("Tom öffnete das Bier."))
+    assert all(len(row) == n_source for wts in source_maps for row in wts)
+    _, some = attention_heatmaps.write_heatmaps(hub, "Tom öffnete das Bier.", str(tmp_path / "one"),
+                                                layers={1}, heads={0})
+    assert sorted(os.path.basename(p) for p in some) == [
+        "decoder_self_layer1_head0.png", "decoder_source_layer1_head0.png",
+        "encoder_self_layer1_head0.png"]

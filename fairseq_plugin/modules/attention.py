@@ -11,6 +11,7 @@ representation subspaces at different positions." MultiHead(Q, K, V) = Concat(he
 Shapes: B batch, T query length, S key length, h heads, d_k = d_model / h.
 """
 
+import contextlib
 import math
 from typing import Dict, Optional, Tuple
 
@@ -92,6 +93,7 @@ class MultiHeadedAttention(nn.Module):
             self.kv_proj = nn.Linear(memory_dim or d_model, 2 * d_model)  # [W^K; W^V]
         self.out_proj = nn.Linear(d_model, d_model)  # W^O
         self.dropout = nn.Dropout(dropout)  # on the attention probabilities
+        self.recorded: Optional[list] = None  # set to a list to keep every weight matrix
 
     def _heads(self, x: Tensor, n: int):
         """(B, L, n * d_model) -> n tensors (B, h, L, d_k)."""
@@ -113,7 +115,8 @@ class MultiHeadedAttention(nn.Module):
         holds (lets beam search keep the static K/V without copies).
         Returns (B, T, d_model) and, if need_weights, the attention weights (B, h, T, S)."""
         B, T, _ = query.shape
-        cache = self.get_incremental_state(incremental_state, "kv") if incremental_state is not None else None
+        cache = (self.get_incremental_state(incremental_state, "kv")
+                 if incremental_state is not None else None)
         if self.self_attention:
             q, k, v = self._heads(self.qkv_proj(query), 3)
             if incremental_state is not None:
@@ -143,10 +146,13 @@ class MultiHeadedAttention(nn.Module):
                 cm = causal_mask(T, S, query.device)
                 mask = cm if mask is None else mask & cm
 
-        if need_weights:  # the explicit formula, for alignments and heat-maps
+        if need_weights or self.recorded is not None:  # the explicit formula, for alignments
+            # and heat-maps
             if use_is_causal:
                 mask = causal_mask(T, S, query.device)
             out, weights = attention_reference(q, k, v, mask, self.dropout)
+            if self.recorded is not None:
+                self.recorded.append(weights.detach())
         else:
             weights = None
             out = F.scaled_dot_product_attention(
@@ -178,3 +184,18 @@ class MultiHeadedAttention(nn.Module):
         cache["k"] = cache["k"].index_select(0, new_order)
         cache["v"] = cache["v"].index_select(0, new_order)
         return self.set_incremental_state(incremental_state, "kv", cache)
+
+
+@contextlib.contextmanager
+def recording_attention(model: nn.Module):
+    """Keep the attention weights of every MultiHeadedAttention in ``model`` while inside:
+    yields {module name: [weights (B, h, T, S) of each call]}."""
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, MultiHeadedAttention)}
+    records = {}
+    for name, m in modules.items():
+        m.recorded = records[name] = []
+    try:
+        yield records
+    finally:
+        for m in modules.values():
+            m.recorded = None
