@@ -20,10 +20,12 @@ setup(
         "subword-nmt",
         "sacrebleu>=2",
     ],
-    extras_require={"test": ["pytest", "matplotlib"], "viz": ["matplotlib"]},
+    extras_require={"test": ["pytest", "matplotlib", "ctranslate2"], "viz": ["matplotlib"],
+                    "export": ["ctranslate2"]},
     entry_points={
         "console_scripts": [
             "annotated-average-checkpoints=fairseq_plugin.average_checkpoints:main",
+            "annotated-export-fairseq=fairseq_plugin.export:main",
         ],
     },
 )

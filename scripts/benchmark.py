@@ -8,6 +8,8 @@ Both architectures get identical hyper-parameters and data; runs alternate A B A
   first), and the process's peak resident memory;
 - generation: tokens/s through fairseq-generate --beam 5 (every hypothesis forced to the same
   length with --min-len/--max-len-b, so both do the same work), and peak memory;
+- CTranslate2: the annotated_transformer checkpoint exported (annotated-export-fairseq) and
+  decoded by CTranslate2 with beam 5, same sentences, batch size and forced length;
 - the cache: greedy and beam-5 decoding of annotated_transformer with fairseq's
   SequenceGenerator, with the incremental cache versus recomputing the whole prefix at every
   step (the seeds' way), at 25, 50 and 100 target tokens.
@@ -111,6 +113,34 @@ def generate_run(data_bin, checkpoint, length, max_tokens):
     raise SystemExit("benchmark: error: fairseq-generate printed no speed")
 
 
+def ctranslate2_run(data_bin, checkpoint, length, max_tokens, work):
+    """Export the checkpoint to CTranslate2 and decode the test set with beam 5, every hypothesis
+    forced to ``length`` tokens + EOS as in generate_run; returns (tokens/s, tokens per hyp)."""
+    import ctranslate2
+    import torch
+    from fairseq.data import Dictionary, data_utils
+
+    from fairseq_plugin.export import export
+
+    ct2_dir = os.path.join(work, "ctranslate2")
+    export(checkpoint, os.path.join(work, "transformer.pt"), data_bin, ct2_dir, force=True,
+           log=lambda *_: None)
+    src, tgt = data_utils.infer_language_pair(data_bin)
+    dictionary = Dictionary.load(os.path.join(data_bin, f"dict.{src}.txt"))
+    dataset = data_utils.load_indexed_dataset(os.path.join(data_bin, f"test.{src}-{tgt}.{src}"),
+                                              dictionary)
+    sources = [dictionary.string(dataset[i][:-1]).split() for i in range(len(dataset))]
+    translator = ctranslate2.Translator(ct2_dir, device="cpu",
+                                        intra_threads=torch.get_num_threads())
+    start = time.perf_counter()
+    results = translator.translate_batch(sources, beam_size=5, max_batch_size=max_tokens,
+                                         batch_type="tokens", min_decoding_length=length,
+                                         max_decoding_length=length)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.hypotheses[0]) + 1 for r in results)  # + EOS, as fairseq counts
+    return tokens / seconds, tokens / len(results)
+
+
 def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=3):
     """annotated_transformer: seconds per decoding with and without the cache."""
     import torch
@@ -163,6 +193,8 @@ def main(argv=None):
     p.add_argument("--cache-lengths", default="25,50,100")
     p.add_argument("--work-dir", help="keep data and checkpoints here (default: a temp dir)")
     p.add_argument("--skip-cache", action="store_true", help="skip the cache measurements")
+    p.add_argument("--skip-ctranslate2", action="store_true",
+                   help="skip decoding the exported model with CTranslate2")
     args = p.parse_args(argv)
 
     work = args.work_dir or tempfile.mkdtemp(prefix="benchmark-")
@@ -174,6 +206,7 @@ def main(argv=None):
           f"{os.environ.get('OMP_NUM_THREADS', 'default')}", flush=True)
     results = {arch: {"train_wps": [], "train_mb": [], "gen_tps": [], "gen_mb": []}
                for arch in ARCHS}
+    ct2_tps = []
     for r in range(args.rounds):
         for arch in ARCHS:
             save = os.path.join(work, f"{arch}-round{r}")
@@ -188,6 +221,12 @@ def main(argv=None):
             res["gen_mb"].append(gen_mb)
             print(f"  round {r + 1} {arch:22s} train {wps:8.0f} wps {mb:6.0f} MB   "
                   f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB", flush=True)
+            if arch == "annotated_transformer" and not args.skip_ctranslate2:
+                ct2, per_hyp = ctranslate2_run(data_bin, os.path.join(save, "checkpoint_last.pt"),
+                                               args.gen_length, args.max_tokens, save)
+                ct2_tps.append(ct2)
+                print(f"  round {r + 1} {'(exported) CTranslate2':22s} beam-5 {ct2:7.1f} tok/s "
+                      f"({per_hyp:.0f} tokens per hypothesis)", flush=True)
 
     med = {a: {k: statistics.median(v) for k, v in res.items()} for a, res in results.items()}
     ours, theirs = med["annotated_transformer"], med["transformer"]
@@ -198,6 +237,10 @@ def main(argv=None):
                        ("train_mb", "training peak memory, MB"),
                        ("gen_mb", "generation peak memory, MB")):
         print(f"| {label} | {ours[key]:.0f} | {theirs[key]:.0f} | {ours[key] / theirs[key]:.2f}x |")
+    if ct2_tps:
+        ct2 = statistics.median(ct2_tps)
+        print(f"| generation beam 5, tokens/s, annotated_transformer exported to CTranslate2 | "
+              f"{ct2:.0f} | {theirs['gen_tps']:.0f} | {ct2 / theirs['gen_tps']:.2f}x |")
 
     if not args.skip_cache:
         lengths = [int(x) for x in args.cache_lengths.split(",")]

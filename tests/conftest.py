@@ -12,6 +12,8 @@ sys.path.insert(0, REPO)  # test the source tree
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import fairseq_plugin  # noqa: E402
+import reverse_data  # noqa: E402
+import reverse_demo  # noqa: E402
 from fairseq.data import Dictionary  # noqa: E402
 from fairseq_plugin.models.annotated_transformer import (  # noqa: E402
     AnnotatedTransformerModel,
@@ -65,7 +67,6 @@ def _seed():
 
 def reverse_data_bin(work, *reverse_args, joined=True, splits=("train", "valid", "test")):
     """Generate the reverse task under work/raw and binarise it into work/bin."""
-    import reverse_data
 
     reverse_data.main([str(work / "raw"), *map(str, reverse_args)])
     return preprocess_reverse(work / "raw", work / "bin", joined=joined, splits=splits)
@@ -76,3 +77,30 @@ def preprocess_reverse(raw, dest, joined=True, splits=("train", "valid", "test")
         *[f for s in splits for f in (f"--{s}pref", f"{raw}/{s}")],
         "--destdir", dest, "--workers", "2", *(["--joined-dictionary"] if joined else []))
     return dest
+
+
+REVERSE_EPOCHS = 30
+REVERSE_SEED = 1
+
+
+@pytest.fixture(scope="session")
+def reverse_run(tmp_path_factory):
+    """The reverse task trained once through fairseq-train (about 2 minutes on 2 cores)."""
+    w = tmp_path_factory.mktemp("reverse")
+    raw, data_bin, ckpt = w / "raw", w / "data-bin", w / "checkpoints"
+    reverse_data.main([str(raw)])
+    preprocess_reverse(raw, data_bin)
+    proc = cli(*reverse_demo.train_command(str(data_bin), str(ckpt), REVERSE_EPOCHS,
+                                           seed=REVERSE_SEED,
+                                           extra=["--save-interval", str(REVERSE_EPOCHS)]))
+    return {"dir": w, "raw": raw, "data_bin": data_bin, "checkpoint": ckpt / "checkpoint_last.pt",
+            "train_log": proc.stdout + proc.stderr}
+
+
+@pytest.fixture(scope="session")
+def generated(reverse_run):
+    out = cli(*reverse_demo.generate_command(str(reverse_run["data_bin"]),
+                                             str(reverse_run["checkpoint"]), beam=5))
+    path = reverse_run["dir"] / "generate.txt"
+    path.write_text(out.stdout)
+    return reverse_demo.read_generate_output(str(path))

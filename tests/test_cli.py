@@ -10,32 +10,7 @@ from fairseq.data import Dictionary
 
 import reverse_data
 import reverse_demo
-from conftest import PLUGIN_DIR, cli, preprocess_reverse
-
-TRAIN_EPOCHS = 30
-SEED = 1
-
-
-@pytest.fixture(scope="module")
-def reverse_run(tmp_path_factory):
-    """The reverse task trained once through fairseq-train (about 2 minutes on 2 cores)."""
-    w = tmp_path_factory.mktemp("reverse")
-    raw, data_bin, ckpt = w / "raw", w / "data-bin", w / "checkpoints"
-    reverse_data.main([str(raw)])
-    preprocess_reverse(raw, data_bin)
-    proc = cli(*reverse_demo.train_command(str(data_bin), str(ckpt), TRAIN_EPOCHS, seed=SEED,
-                                           extra=["--save-interval", str(TRAIN_EPOCHS)]))
-    return {"dir": w, "raw": raw, "data_bin": data_bin, "checkpoint": ckpt / "checkpoint_last.pt",
-            "train_log": proc.stdout + proc.stderr}
-
-
-@pytest.fixture(scope="module")
-def generated(reverse_run):
-    out = cli(*reverse_demo.generate_command(str(reverse_run["data_bin"]),
-                                             str(reverse_run["checkpoint"]), beam=5))
-    path = reverse_run["dir"] / "generate.txt"
-    path.write_text(out.stdout)
-    return reverse_demo.read_generate_output(str(path))
+from conftest import PLUGIN_DIR, REVERSE_EPOCHS, REVERSE_SEED, cli, preprocess_reverse
 
 
 def test_training_logs_noam_rate_and_label_smoothed_loss(reverse_run):
@@ -95,12 +70,12 @@ def test_checkpoint_loads_with_weights_only_under_torch_2_6_without_env_var(reve
 def test_restore_file_continues_training(reverse_run, tmp_path):
     save = tmp_path / "continued"
     proc = cli(*reverse_demo.train_command(
-        str(reverse_run["data_bin"]), str(save), TRAIN_EPOCHS + 1, seed=SEED,
+        str(reverse_run["data_bin"]), str(save), REVERSE_EPOCHS + 1, seed=REVERSE_SEED,
         extra=["--restore-file", str(reverse_run["checkpoint"])]))
     log = proc.stdout + proc.stderr
     # fairseq names the epoch it resumes at, after the saved one
-    assert f"Loaded checkpoint {reverse_run['checkpoint']} (epoch {TRAIN_EPOCHS + 1} @ " in log
-    assert f"end of epoch {TRAIN_EPOCHS + 1}" in log
+    assert f"Loaded checkpoint {reverse_run['checkpoint']} (epoch {REVERSE_EPOCHS + 1} @ " in log
+    assert f"end of epoch {REVERSE_EPOCHS + 1}" in log
     assert (save / "checkpoint_last.pt").exists()
 
 

@@ -1,0 +1,345 @@
+"""Export an ``annotated_transformer`` checkpoint as an equivalent fairseq ``transformer`` one.
+
+The two models compute the same function; only the parameter layout differs:
+
+================================================  ==================================================
+annotated_transformer                             fairseq transformer
+================================================  ==================================================
+``*.embed.embeddings.lut``                        ``*.embed_tokens``
+sinusoids (notebook formula) or ``positional``    ``*.embed_positions`` (learned, rows shifted by
+                                                  padding_idx + 1, as fairseq numbers positions)
+``self_attn.qkv_proj`` = [W^Q; W^K; W^V]          ``self_attn.{q,k,v}_proj``
+``src_attn.q_proj``, ``src_attn.kv_proj``         ``encoder_attn.q_proj``, ``encoder_attn.{k,v}_proj``
+``sublayer.{0,1,2}.norm``                         ``self_attn_layer_norm``, (``encoder_attn_layer_norm``),
+                                                  ``final_layer_norm``
+``feed_forward.w_1``, ``w_2``                     ``fc1``, ``fc2``
+``*.norm`` (pre-LN final norm)                    ``*.layer_norm`` (``--*-normalize-before``)
+``decoder.generator.proj``                        ``decoder.output_projection``
+================================================  ==================================================
+
+Pre-LN maps to ``--encoder-normalize-before --decoder-normalize-before``, ``--post-norm`` to
+fairseq's default post-LN. Every parameter must find its counterpart and the exported model must
+give the same logits (checked on the data's dictionaries before anything is written), otherwise
+the export is refused with the reason.
+
+The exported checkpoint holds plain containers only (no ``argparse.Namespace``), so stock
+fairseq loads it with torch >= 2.6's ``weights_only`` default, without this plugin. With
+``--ctranslate2 DIR`` it is also converted by CTranslate2's own fairseq converter.
+
+    annotated-export-fairseq checkpoints/checkpoint_best.pt --output transformer.pt \\
+        [--data DATA_BIN] [--ctranslate2 ct2_model] [--force]
+"""
+
+import argparse
+import copy
+import os
+import shutil
+import sys
+import tempfile
+from argparse import Namespace
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+
+from .errors import PluginError
+from .modules.embeddings import SinusoidalPositionalEncoding
+
+TOLERANCE = 1e-4  # max |logit difference| accepted between the two models
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+
+def transformer_args(ours: Namespace) -> Namespace:
+    """fairseq ``transformer`` arguments equivalent to an annotated_transformer's."""
+    from fairseq.models.transformer.transformer_legacy import base_architecture
+
+    args = copy.deepcopy(ours)
+    for name in ("post_norm", "encoder_normalize_before_flag", "decoder_normalize_before_flag"):
+        if hasattr(args, name):
+            delattr(args, name)
+    args.arch = args._name = "transformer"
+    pre_ln = not getattr(ours, "post_norm", False)
+    args.encoder_normalize_before = args.decoder_normalize_before = pre_ln
+    positions = not ours.no_token_positional_embeddings
+    # the notebook's sinusoids are not fairseq's (interleaved sin/cos): export them as a table
+    args.encoder_learned_pos = args.decoder_learned_pos = positions
+    for name, value in (("layernorm_embedding", False), ("no_decoder_final_norm", False),
+                        ("no_cross_attention", False), ("cross_self_attention", False),
+                        ("adaptive_input", False), ("adaptive_softmax_cutoff", None),
+                        ("tie_adaptive_weights", False), ("decoder_output_dim", None),
+                        ("decoder_input_dim", None)):
+        setattr(args, name, value)
+    args.decoder_output_dim = args.decoder_input_dim = ours.decoder_embed_dim
+    base_architecture(args)  # fairseq's own defaults for everything else
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------------------------
+
+class _Mapper:
+    """Copies our parameters into fairseq names and remembers which ones it used."""
+
+    def __init__(self, ours: Dict[str, Tensor]):
+        self.ours = ours
+        self.used = set()
+        self.out: Dict[str, Tensor] = {}
+
+    def take(self, name: str) -> Tensor:
+        if name not in self.ours:
+            raise PluginError(f"cannot export: the checkpoint has no parameter {name}; it is not "
+                              "an annotated_transformer checkpoint of this version")
+        self.used.add(name)
+        return self.ours[name]
+
+    def copy(self, src: str, dst: str):
+        self.out[dst] = self.take(src).clone()
+
+    def linear(self, src: str, dst: str, bias: bool = True):
+        self.copy(f"{src}.weight", f"{dst}.weight")
+        if bias:
+            self.copy(f"{src}.bias", f"{dst}.bias")
+
+    def split(self, src: str, dsts):
+        """A fused projection [W_1; W_2; ...] (rows stacked) -> one Linear per block."""
+        for suffix in ("weight", "bias"):
+            blocks = self.take(f"{src}.{suffix}").chunk(len(dsts), dim=0)
+            for dst, block in zip(dsts, blocks):
+                self.out[f"{dst}.{suffix}"] = block.clone()
+
+
+def transformer_state_dict(ours: Dict[str, Tensor], args: Namespace, src_pad: int,
+                           tgt_pad: int) -> Dict[str, Tensor]:
+    """Our parameters under fairseq ``transformer`` names (see the module's table)."""
+    m = _Mapper(ours)
+    sides = (("encoder", args.encoder_layers, args.encoder_embed_dim, args.max_source_positions,
+              src_pad, ("self_attn_layer_norm", "final_layer_norm")),
+             ("decoder", args.decoder_layers, args.decoder_embed_dim, args.max_target_positions,
+              tgt_pad, ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm")))
+    for side, layers, d, max_positions, pad, norms in sides:
+        m.copy(f"{side}.embed.embeddings.lut.weight", f"{side}.embed_tokens.weight")
+        if not args.no_token_positional_embeddings:
+            learned = f"{side}.embed.positional.embed.weight"
+            if learned in ours:
+                table = m.take(learned)
+            else:
+                table = SinusoidalPositionalEncoding(d, max_positions).table(
+                    torch.device("cpu"), ours[f"{side}.embed.embeddings.lut.weight"].dtype)
+            # fairseq numbers the positions of real tokens from padding_idx + 1
+            m.out[f"{side}.embed_positions.weight"] = torch.cat(
+                [table.new_zeros(pad + 1, d), table], dim=0)
+        for i in range(layers):
+            p = f"{side}.layers.{i}"
+            m.split(f"{p}.self_attn.qkv_proj", [f"{p}.self_attn.{x}_proj" for x in "qkv"])
+            m.linear(f"{p}.self_attn.out_proj", f"{p}.self_attn.out_proj")
+            if side == "decoder":
+                m.linear(f"{p}.src_attn.q_proj", f"{p}.encoder_attn.q_proj")
+                m.split(f"{p}.src_attn.kv_proj", [f"{p}.encoder_attn.{x}_proj" for x in "kv"])
+                m.linear(f"{p}.src_attn.out_proj", f"{p}.encoder_attn.out_proj")
+            for j, norm in enumerate(norms):
+                m.linear(f"{p}.sublayer.{j}.norm", f"{p}.{norm}")
+            m.linear(f"{p}.feed_forward.w_1", f"{p}.fc1")
+            m.linear(f"{p}.feed_forward.w_2", f"{p}.fc2")
+        if f"{side}.norm.weight" in ours:
+            m.linear(f"{side}.norm", f"{side}.layer_norm")
+    m.copy("decoder.generator.proj.weight", "decoder.output_projection.weight")
+    left = sorted(set(ours) - m.used)
+    if left:
+        raise PluginError(f"cannot export: {left[0]} has no counterpart in fairseq's transformer")
+    return m.out
+
+
+def load_into_transformer(model: torch.nn.Module, mapped: Dict[str, Tensor]) -> None:
+    """Load mapped parameters into a fairseq TransformerModel; every parameter must be given."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = [k for k in params if k not in mapped]
+    if missing:
+        raise PluginError(f"cannot export: fairseq's transformer needs {missing[0]}, which this "
+                          "model has no counterpart for")
+    state = model.state_dict()  # also holds fairseq's "version" buffers
+    unknown = [k for k in mapped if k not in state]
+    if unknown:
+        raise PluginError(f"cannot export: fairseq's transformer has no parameter {unknown[0]}")
+    for k, v in mapped.items():
+        if tuple(state[k].shape) != tuple(v.shape):
+            raise PluginError(f"cannot export: {k} has shape {tuple(v.shape)} here but "
+                              f"{tuple(state[k].shape)} in fairseq's transformer")
+        state[k] = v
+    model.load_state_dict(state, strict=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking that both compute the same function
+# ---------------------------------------------------------------------------------------------
+
+def sample_batch(src_dict, tgt_dict, batch: int = 6, max_len: int = 12, seed: int = 0):
+    """Random sentences of different lengths: sources left-padded (as fairseq-generate batches
+    them), targets right-padded (as in training). Returns net_input and the target mask."""
+    g = torch.Generator().manual_seed(seed)
+    src_lens = torch.randint(2, max_len + 1, (batch,), generator=g)
+    tgt_lens = torch.randint(2, max_len + 1, (batch,), generator=g)
+    src = torch.full((batch, int(src_lens.max())), src_dict.pad())
+    prev = torch.full((batch, int(tgt_lens.max())), tgt_dict.pad())
+    for b in range(batch):
+        n, t = int(src_lens[b]), int(tgt_lens[b])
+        src[b, src.size(1) - n:-1] = torch.randint(src_dict.nspecial, len(src_dict), (n - 1,),
+                                                   generator=g)
+        src[b, -1] = src_dict.eos()
+        prev[b, 0] = tgt_dict.eos()
+        prev[b, 1:t] = torch.randint(tgt_dict.nspecial, len(tgt_dict), (t - 1,), generator=g)
+    net_input = {"src_tokens": src, "src_lengths": src_lens, "prev_output_tokens": prev}
+    return net_input, prev.ne(tgt_dict.pad())
+
+
+@torch.no_grad()
+def max_logit_difference(ours, theirs, src_dict, tgt_dict) -> float:
+    """max |logits| difference at real target positions, teacher-forced, both in eval mode."""
+    ours.eval()
+    theirs.eval()
+    net_input, real = sample_batch(src_dict, tgt_dict)
+    a = ours(**net_input)[0][real]
+    b = theirs(**net_input)[0][real]
+    return float((a - b).abs().max())
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+
+def _plain(value):
+    """Namespaces -> dicts, recursively, so the checkpoint loads with weights_only=True."""
+    if isinstance(value, Namespace):
+        value = vars(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def export(checkpoint: str, output: str, data: Optional[str] = None,
+           ctranslate2_dir: Optional[str] = None, force: bool = False, log=print) -> float:
+    """Write the fairseq transformer checkpoint (and the CTranslate2 model); returns the max
+    logit difference measured between the original and the export."""
+    from fairseq import checkpoint_utils, models, tasks
+
+    if not os.path.isfile(checkpoint):
+        raise PluginError(f"no checkpoint at {checkpoint}; give the path of a .pt file")
+    for path in (output, ctranslate2_dir):
+        if path and os.path.exists(path) and not force:
+            raise PluginError(f"{path} already exists; choose another output or pass --force")
+    state = checkpoint_utils.load_checkpoint_to_cpu(checkpoint)  # plugin: one-line errors
+    cfg = state["cfg"]
+    arch = cfg.model.arch if cfg.model is not None else None
+    if models.ARCH_MODEL_NAME_REGISTRY.get(arch) != "annotated_transformer":
+        raise PluginError(f"{checkpoint} is a '{arch}' checkpoint, not an annotated_transformer "
+                          "one; only annotated_transformer checkpoints can be exported")
+    data = data or cfg.task.data
+    if not data or not os.path.isdir(data):
+        raise PluginError(f"the data-bin '{data}' (with the dict.*.txt the model was trained "
+                          "with) does not exist; pass it with --data")
+    ours_args = copy.deepcopy(cfg.model)
+    ours_args.data = data
+    task = tasks.setup_task(Namespace(**{**vars(ours_args), "data": data}))
+    ours_model = task.build_model(ours_args)
+    ours_model.load_state_dict(state["model"], strict=True)
+
+    args = transformer_args(ours_args)
+    mapped = transformer_state_dict(state["model"], args, task.source_dictionary.pad(),
+                                    task.target_dictionary.pad())
+    theirs = models.build_model(copy.deepcopy(args), task)
+    load_into_transformer(theirs, mapped)
+    diff = max_logit_difference(ours_model, theirs, task.source_dictionary,
+                                task.target_dictionary)
+    if not diff <= TOLERANCE:
+        raise PluginError(f"cannot export: the converted model's logits differ by {diff:.2e} "
+                          f"(more than {TOLERANCE:g}) from the original's")
+    log(f"annotated-export-fairseq: same logits as the original (max |diff| {diff:.1e})")
+
+    raw = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    raw_cfg = raw["cfg"]
+    raw_cfg["model"] = vars(args)
+    common = dict(raw_cfg.get("common") or {})
+    common["user_dir"] = None  # the export needs no plugin
+    raw_cfg["common"] = common
+    criterion = raw_cfg.get("criterion")
+    if isinstance(criterion, dict) and criterion.get("_name") == "annotated_label_smoothing":
+        # the same loss in fairseq's own criterion
+        raw_cfg["criterion"] = {**criterion, "_name": "label_smoothed_cross_entropy"}
+    history = [dict(h) for h in raw.get("optimizer_history", [])]
+    for h in history:
+        if h.get("criterion_name") == "AnnotatedLabelSmoothingCriterion":
+            h["criterion_name"] = "LabelSmoothedCrossEntropyCriterion"
+    exported = {
+        "args": None,
+        "cfg": _plain(raw_cfg),
+        "model": theirs.state_dict(),
+        "criterion": raw.get("criterion"),
+        "optimizer_history": history,
+        "task_state": raw.get("task_state", {}),
+        "extra_state": raw.get("extra_state", {}),
+        # no optimizer state: fine-tune an export with --reset-optimizer --reset-lr-scheduler
+        "last_optimizer_state": None,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    tmp = output + ".tmp"
+    torch.save(exported, tmp)
+    os.replace(tmp, output)  # never leaves a half-written checkpoint behind
+    log(f"annotated-export-fairseq: wrote {output} (--arch transformer, "
+        f"{'pre' if args.encoder_normalize_before else 'post'}-LN, learned positions)")
+    if ctranslate2_dir:
+        to_ctranslate2(exported, data, ctranslate2_dir, args, force)
+        log(f"annotated-export-fairseq: wrote the CTranslate2 model {ctranslate2_dir}")
+    return diff
+
+
+def to_ctranslate2(exported: dict, data: str, output_dir: str, args: Namespace, force: bool):
+    """Convert with CTranslate2's own fairseq converter.
+
+    The converter reads ``cfg["model"]`` with attribute access, so it is given a copy whose
+    model configuration is a Namespace (which this plugin lets torch load with weights_only).
+    """
+    try:
+        from ctranslate2.converters import FairseqConverter
+    except ImportError as e:
+        raise PluginError("--ctranslate2 needs the ctranslate2 package: pip install ctranslate2"
+                          ) from e
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "transformer.pt")
+        torch.save({**exported, "cfg": {**exported["cfg"], "model": copy.deepcopy(args)}}, path)
+        converter = FairseqConverter(path, data, source_lang=args.source_lang,
+                                     target_lang=args.target_lang)
+        try:
+            converter.convert(output_dir, force=force)
+        except ValueError as e:  # CTranslate2 explains unsupported options in a ValueError
+            if os.path.isdir(output_dir) and not os.listdir(output_dir):
+                shutil.rmtree(output_dir)
+            raise PluginError(f"CTranslate2 cannot convert this model: {e}".replace("\n", " ")
+                              ) from e
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        prog="annotated-export-fairseq",
+        description="Convert an annotated_transformer checkpoint into an equivalent fairseq "
+                    "transformer checkpoint (and optionally a CTranslate2 model).")
+    p.add_argument("checkpoint", help="an annotated_transformer checkpoint (.pt)")
+    p.add_argument("--output", required=True, help="where to write the transformer checkpoint")
+    p.add_argument("--data", help="the data-bin with the model's dictionaries "
+                                  "(default: the one recorded in the checkpoint)")
+    p.add_argument("--ctranslate2", metavar="DIR",
+                   help="also convert the export into a CTranslate2 model directory")
+    p.add_argument("--force", action="store_true", help="overwrite existing outputs")
+    args = p.parse_args(argv)
+    try:
+        export(args.checkpoint, args.output, args.data, args.ctranslate2, args.force)
+    except PluginError as e:
+        sys.exit(f"annotated-export-fairseq: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Export to fairseq's transformer and on to CTranslate2: same numbers out."""
+
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fairseq import models
+from fairseq.sequence_generator import SequenceGenerator
+
+import reverse_demo
+from conftest import REPO, build_tiny_model, cli, make_dictionary
+from fairseq_plugin.errors import PluginError
+from fairseq_plugin.models.annotated_transformer import annotated_transformer_tiny
+from fairseq_plugin.export import (
+    load_into_transformer,
+    max_logit_difference,
+    sample_batch,
+    transformer_args,
+    transformer_state_dict,
+)
+
+CONFIGS = {
+    "pre-LN, sinusoids, all embeddings shared": dict(share_all_embeddings=True),
+    "post-LN, learned positions, separate dictionaries": dict(
+        post_norm=True, encoder_learned_pos=True, decoder_learned_pos=True),
+    "no positions, decoder input/output shared, gelu": dict(
+        no_token_positional_embeddings=True, share_decoder_input_output_embed=True,
+        activation_fn="gelu"),
+}
+
+
+def exported_pair(**overrides):
+    src = make_dictionary(40)
+    tgt = src if overrides.get("share_all_embeddings") else make_dictionary(35)
+    ours = build_tiny_model(src, tgt, **overrides)
+    # random LayerNorm parameters too, so a swapped norm cannot go unnoticed
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if p.dim() == 1:
+                p.normal_()
+    args = transformer_args(ours_args(overrides))
+    task = SimpleNamespace(source_dictionary=src, target_dictionary=tgt)
+    theirs = models.build_model(args, task)
+    load_into_transformer(theirs, transformer_state_dict(ours.state_dict(), args, src.pad(),
+                                                         tgt.pad()))
+    return ours.eval(), theirs.eval(), src, tgt
+
+
+def ours_args(overrides):
+    """The arguments build_tiny_model(**overrides) builds its model from."""
+    args = Namespace(**overrides)
+    annotated_transformer_tiny(args)
+    return args
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_exported_transformer_gives_the_same_logits(config):
+    ours, theirs, src, tgt = exported_pair(**CONFIGS[config])
+    diff = max_logit_difference(ours, theirs, src, tgt)
+    assert diff <= 1e-4, diff
+    # and the check can fail: one perturbed parameter shows
+    with torch.no_grad():
+        theirs.decoder.layers[-1].fc2.bias[0] += 0.5
+    assert max_logit_difference(ours, theirs, src, tgt) > 1e-3
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_exported_transformer_decodes_the_same_with_its_incremental_state(config):
+    ours, theirs, src, tgt = exported_pair(**CONFIGS[config])
+    net_input, _ = sample_batch(src, tgt, batch=4)
+    del net_input["prev_output_tokens"]
+    outputs = []
+    for model in (ours, theirs):
+        gen = SequenceGenerator([model], tgt, beam_size=3, max_len_b=15)
+        with torch.no_grad():
+            hypos = gen.generate([model], {"net_input": net_input})
+        outputs.append([(h[0]["tokens"].tolist(), float(h[0]["score"])) for h in hypos])
+    for (a_tokens, a_score), (b_tokens, b_score) in zip(*outputs):
+        assert a_tokens == b_tokens
+        assert abs(a_score - b_score) < 1e-4
+
+
+def test_a_parameter_without_counterpart_is_refused():
+    ours = build_tiny_model()
+    state = dict(ours.state_dict())
+    state["encoder.extra_gate.weight"] = torch.zeros(3)
+    with pytest.raises(PluginError, match="encoder.extra_gate.weight has no counterpart"):
+        transformer_state_dict(state, transformer_args(ours_args({})), 1, 1)
+
+
+def export_cli(*args):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    return subprocess.run([sys.executable, "-m", "fairseq_plugin.export", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def exported(reverse_run, tmp_path_factory):
+    w = tmp_path_factory.mktemp("export")
+    proc = export_cli(reverse_run["checkpoint"], "--output", w / "transformer.pt",
+                      "--ctranslate2", w / "ct2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"checkpoint": w / "transformer.pt", "ct2": w / "ct2", "log": proc.stdout}
+
+
+def test_export_command_checks_logits_and_writes_a_plain_fairseq_checkpoint(exported):
+    assert "same logits as the original (max |diff|" in exported["log"]
+    # loadable by stock fairseq under torch >= 2.6's weights_only default, without the plugin
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(exported["checkpoint"]) == []
+    state = torch.load(exported["checkpoint"], weights_only=True)
+    assert state["cfg"]["model"]["arch"] == "transformer"
+    assert state["cfg"]["model"]["encoder_normalize_before"] is True
+    assert "decoder.layers.0.encoder_attn.k_proj.weight" in state["model"]
+
+
+def test_fairseq_generate_without_the_plugin_translates_like_the_original(
+        reverse_run, generated, exported):
+    out = cli("fairseq-generate", reverse_run["data_bin"], "--path", exported["checkpoint"],
+              "--beam", "5", "--max-tokens", "4096", "--required-batch-size-multiple", "1",
+              "--cpu")
+    path = exported["checkpoint"].parent / "generate.txt"
+    path.write_text(out.stdout)
+    theirs = reverse_demo.read_generate_output(str(path))
+    assert len(theirs) == len(generated) == 500
+    assert {i: h for i, (_, _, h) in theirs.items()} == {i: h for i, (_, _, h) in generated.items()}
+
+
+def test_ctranslate2_greedy_decoding_equals_fairseq_generate_beam_1(reverse_run, exported):
+    import ctranslate2
+
+    out = cli(*reverse_demo.generate_command(str(reverse_run["data_bin"]),
+                                             str(reverse_run["checkpoint"]), beam=1))
+    path = exported["checkpoint"].parent / "generate-beam1.txt"
+    path.write_text(out.stdout)
+    fairseq_out = reverse_demo.read_generate_output(str(path))
+    ids = sorted(fairseq_out)
+    translator = ctranslate2.Translator(str(exported["ct2"]), device="cpu")
+    # fairseq-generate's default --max-len-b 200 is CTranslate2's max_decoding_length
+    results = translator.translate_batch([fairseq_out[i][0].split() for i in ids], beam_size=1,
+                                         max_decoding_length=200)
+    ct2 = [" ".join(r.hypotheses[0]) for r in results]
+    assert len(ct2) == 500
+    assert ct2 == [fairseq_out[i][2] for i in ids]
+
+
+def test_exporting_a_checkpoint_of_another_arch_is_refused_in_one_line(exported, tmp_path):
+    proc = export_cli(exported["checkpoint"], "--output", tmp_path / "again.pt")
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("annotated-export-fairseq: error: ")
+    assert "'transformer' checkpoint, not an annotated_transformer one" in last
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "again.pt").exists()
+
+
+def test_export_refuses_to_overwrite_without_force(reverse_run, exported):
+    before = exported["checkpoint"].read_bytes()
+    proc = export_cli(reverse_run["checkpoint"], "--output", exported["checkpoint"])
+    assert proc.returncode != 0
+    assert "already exists; choose another output or pass --force" in proc.stderr
+    assert exported["checkpoint"].read_bytes() == before
