@@ -5,6 +5,7 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build_tiny_model, make_dictionary, random_tokens
+from fairseq_plugin.modules.attention import MultiHeadedAttention, group_size
 from fairseq_plugin.recomputing import without_cache
 
 
@@ -110,12 +111,15 @@ def test_each_cache_is_reordered_exactly_once():
     with torch.no_grad():
         encoder_out = model.encoder(src, lengths)
         _, state = step_by_step(model, encoder_out, tgt)
-        before = {k: {n: t.clone() for n, t in v.items() if t is not None} for k, v in state.items()}
+        attentions = [m for m in model.decoder.modules() if isinstance(m, MultiHeadedAttention)]
+        before = [m.cached_keys_values(state) for m in attentions]
         new_order = torch.tensor([1, 0])  # rows from different sentences: everything must move
         model.decoder.reorder_incremental_state_scripting(state, new_order)
-    for key, cache in before.items():
-        for name in ("k", "v"):
-            assert torch.equal(state[key][name], cache[name].index_select(0, new_order)), key
+        after = [m.cached_keys_values(state) for m in attentions]
+    assert len(attentions) == 4  # 2 decoder layers x (self, source)
+    for (k0, v0), (k1, v1) in zip(before, after):
+        assert torch.equal(k1, k0.index_select(0, new_order))
+        assert torch.equal(v1, v0.index_select(0, new_order))
 
 
 def test_sequence_generator_beam4_gives_the_same_hypotheses_with_and_without_cache():
@@ -145,3 +149,41 @@ def test_sequence_generator_beam4_gives_the_same_hypotheses_with_and_without_cac
     assert n_hypos == 20
     # the beams are not all the same hypothesis
     assert len({tuple(h["tokens"].tolist()) for h in cached[0]}) > 1
+
+
+def test_group_size_finds_beam_search_runs_of_one_sentence():
+    assert group_size(torch.tensor([0, 0, 0, 1, 1, 1, 4, 4, 4])) == 3
+    assert group_size(torch.tensor([2, 2, 2])) == 3
+    assert group_size(torch.tensor([0, 0, 1])) == 1  # unequal runs
+    assert group_size(torch.tensor([0, 1, 0, 1])) == 1  # not grouped
+    assert group_size(torch.tensor([0, 0, 1, 1, 1, 1])) == 2  # a sentence may fill two groups
+    assert group_size(torch.tensor([7])) == 1
+
+
+def test_source_keys_and_values_are_kept_once_per_sentence_and_not_copied_within_groups():
+    d = make_dictionary()
+    model = build_tiny_model(d)
+    bsz, beam = 3, 4
+    src, lengths = padded_sources(d, [5, 8, 3], left_pad=True)
+    src_attns = [layer.src_attn for layer in model.decoder.layers]
+    with torch.no_grad():
+        encoder_out = model.encoder(src, lengths)
+        encoder_out = model.encoder.reorder_encoder_out(
+            encoder_out, torch.arange(bsz).repeat_interleave(beam))
+        tokens = torch.full((bsz * beam, 1), d.eos())
+        state = {}
+        model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)
+        cached = [m.get_incremental_state(state, "kv")["k"] for m in src_attns]
+        assert all(k.size(0) == bsz for k in cached)  # one row per sentence, not per hypothesis
+        within = (torch.arange(bsz)[:, None] * beam + torch.tensor([3, 3, 0, 1])).view(-1)
+        model.decoder.reorder_incremental_state_scripting(state, within)
+        assert model.encoder.reorder_encoder_out(encoder_out, within) is encoder_out
+        assert all(m.get_incremental_state(state, "kv")["k"] is k
+                   for m, k in zip(src_attns, cached))
+        # sentence 1 finishes: the rows of sentences 0 and 2 remain
+        shrink = torch.cat([torch.arange(beam), 2 * beam + torch.arange(beam)])
+        model.decoder.reorder_incremental_state_scripting(state, shrink)
+        for m, k in zip(src_attns, cached):
+            assert torch.equal(m.get_incremental_state(state, "kv")["k"], k[[0, 2]])
+            keys, _ = m.cached_keys_values(state)
+            assert torch.equal(keys, k[[0, 2]].repeat_interleave(beam, 0))

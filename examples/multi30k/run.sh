@@ -45,7 +45,7 @@ $BIN/fairseq-train "$DATA" --user-dir fairseq_plugin --arch "$ARCH" \
     --save-dir "$CKPT" --keep-last-epochs 5 --log-format simple --log-interval 100 \
     2>&1 | tee "$CKPT/train.log"
 
-$BIN/annotated-average-checkpoints --inputs "$CKPT" --num-epoch-checkpoints 5 \
+$PYTHON -m fairseq_plugin.average_checkpoints --inputs "$CKPT" --num-epoch-checkpoints 5 \
     --output "$CKPT/average_last5.pt" --force
 for ckpt in checkpoint_last.pt average_last5.pt; do
   echo "== $ARCH $ckpt"

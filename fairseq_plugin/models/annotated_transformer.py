@@ -94,7 +94,16 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
     @torch.jit.unused
     def reorder_encoder_out(self, encoder_out: Dict[str, List[Tensor]], new_order: Tensor):
         """Row i of the result is row new_order[i] of encoder_out (beam expansion, finished
-        sentences leaving the batch)."""
+        sentences leaving the batch).
+
+        Rows that hold the same sentence are identical, so when every row keeps its sentence
+        (beam search reorders hypotheses within a sentence, at every step) nothing is copied.
+        """
+        ids = encoder_out.get("sentence_ids")
+        if ids:
+            new_ids = ids[0].index_select(0, new_order)
+            if new_ids.shape == ids[0].shape and torch.equal(new_ids, ids[0]):
+                return encoder_out
         return {key: [t.index_select(0, new_order) for t in value]
                 for key, value in encoder_out.items()}
 
