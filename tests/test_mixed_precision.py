@@ -52,4 +52,5 @@ def test_half_precision_incremental_decoding_matches_its_full_pass(dtype):
     incremental = torch.cat(steps, 1)
     assert torch.isfinite(incremental).all()
     tol = 0.02 if dtype == torch.float16 else 0.1
-    assert (incremental.float() - full.float()).abs().max() < tol
+    real = prev.ne(d.pad())  # logits at padding positions mean nothing (zeros in a full pass)
+    assert (incremental.float() - full.float())[real].abs().max() < tol

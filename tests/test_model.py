@@ -130,3 +130,63 @@ def test_a_working_transformer_command_parses_with_the_annotated_arch(tmp_path):
                  "share_decoder_input_output_embed", "encoder_learned_pos",
                  "max_source_positions", "no_scale_embedding"):
         assert getattr(ours, name) == getattr(parsed["transformer_iwslt_de_en"], name), name
+
+
+def padded_targets(d, lengths, left_pad=False):
+    """prev_output_tokens of the given lengths (eos first), padded right (as in training) or
+    left (--left-pad-target)."""
+    T = max(lengths)
+    prev = torch.full((len(lengths), T), d.pad())
+    for i, n in enumerate(lengths):
+        seq = torch.cat([torch.tensor([d.eos()]), random_tokens(d, 1, n - 1)[0]])
+        if left_pad:
+            prev[i, T - n:] = seq
+        else:
+            prev[i, :n] = seq
+    return prev
+
+
+@pytest.mark.parametrize("left_pad", [False, True])
+def test_each_sentence_of_a_padded_target_batch_gets_the_logits_it_gets_alone(left_pad):
+    """The decoder skips padding in its position-wise work (and hides left padding from
+    self-attention): padding must change no real position's output."""
+    d = make_dictionary()
+    model = build_tiny_model(d)
+    lengths = [6, 2, 4, 6]
+    src = random_tokens(d, len(lengths), 5)
+    prev = padded_targets(d, lengths, left_pad)
+    with torch.no_grad():
+        batch = model(src, torch.full((len(lengths),), 5), prev)[0]
+        for i, n in enumerate(lengths):
+            real = prev[i].ne(d.pad())
+            alone = model(src[i:i + 1], torch.tensor([5]), prev[i:i + 1, real])[0][0]
+            assert (batch[i, real] - alone).abs().max() <= 1e-5, i
+
+
+def test_gradients_of_a_padded_batch_are_the_sum_over_its_sentences():
+    d = make_dictionary()
+    model = build_tiny_model(d, dropout=0.0).train()
+    lengths = [6, 3, 5]
+    src = random_tokens(d, len(lengths), 5)
+    src_lengths = torch.full((len(lengths),), 5)
+    prev = padded_targets(d, lengths)
+    target = torch.where(prev.ne(d.pad()), random_tokens(d, *prev.shape), prev)
+
+    def grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def nll(logits, tgt):
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), tgt.reshape(-1), ignore_index=d.pad(),
+            reduction="sum")
+
+    batch = grads(nll(model(src, src_lengths, prev)[0], target))
+    summed = None
+    for i, n in enumerate(lengths):
+        g = grads(nll(model(src[i:i + 1], src_lengths[i:i + 1], prev[i:i + 1, :n])[0],
+                      target[i:i + 1, :n]))
+        summed = g if summed is None else {k: summed[k] + g[k] for k in g}
+    for name in batch:
+        assert torch.allclose(batch[name], summed[name], atol=1e-4, rtol=1e-4), name

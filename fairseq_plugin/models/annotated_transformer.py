@@ -32,6 +32,7 @@ from ..modules.embeddings import (
     positions_of,
 )
 from ..modules.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
+from ..modules.packing import Packing
 
 DEFAULT_MAX_POSITIONS = 1024
 
@@ -164,11 +165,21 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
 
     def extract_features(self, prev_output_tokens, encoder_out, incremental_state=None,
                          alignment_layer=None, alignment_heads=None, **unused):
+        """(B, T, d) features before the generator, and {"attn", "inner_states"}."""
         positions = positions_of(prev_output_tokens, self.padding_idx)
         if incremental_state is not None:  # only the newest token is new
             prev_output_tokens = prev_output_tokens[:, -1:]
             positions = positions[:, -1:]
         x = self.embed(prev_output_tokens, positions)  # (B, T, d)
+        packing, self_attn_padding_mask = None, None
+        if incremental_state is None:
+            real = prev_output_tokens.ne(self.padding_idx)  # (B, T)
+            if not bool(real.all()):
+                # position-wise work only on real tokens: x (B, T, d) -> (N, d)
+                packing = Packing(real)
+                x = packing.pack(x)
+                if bool((~real[:, :-1] & real[:, 1:]).any()):  # left padding: hide it
+                    self_attn_padding_mask = ~real
 
         memory = encoder_out["encoder_out"][0]  # (B, S, d_enc)
         memory_padding_mask = encoder_out["encoder_padding_mask"][0]
@@ -184,7 +195,8 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         for i, layer in enumerate(self.layers):
             x, layer_attn = layer(x, memory, memory_padding_mask, incremental_state,
                                   need_attn=want_attn and i == alignment_layer,
-                                  memory_ids=memory_ids)
+                                  memory_ids=memory_ids, packing=packing,
+                                  self_attn_padding_mask=self_attn_padding_mask)
             inner_states.append(x)
             if layer_attn is not None:
                 attn = layer_attn
@@ -194,6 +206,10 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
             attn = attn.mean(dim=1)
         if self.norm is not None:
             x = self.norm(x)
+        if packing is not None:  # back to (B, T, d), zeros at padding
+            # (the generator then runs on padding too: unpacking (N, V) logits costs more)
+            x = packing.unpack(x)
+            inner_states = [packing.unpack(s) for s in inner_states]
         return x, {"attn": [attn], "inner_states": inner_states}
 
     def output_layer(self, features: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor, nn
 
 from ..errors import PluginError
+from .packing import Packing
 
 # Since torch 2.5, scaled_dot_product_attention returns zeros for a query whose mask allows no
 # key; older versions return NaN there, so we zero such rows ourselves.
@@ -134,16 +135,19 @@ class MultiHeadedAttention(nn.Module):
         incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
         need_weights: bool = False,
         memory_ids: Optional[Tensor] = None,
+        packing: Optional[Packing] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
-        """query (B, T, d_model); memory (B, S, d_model) for encoder-decoder attention;
-        key_padding_mask (B, S), True at padding; memory_ids (B,) the sentence each memory row
-        holds (lets beam search keep the static K/V without copies).
-        Returns (B, T, d_model) and, if need_weights, the attention weights (B, h, T, S)."""
-        B, T, _ = query.shape
+        """query (B, T, d_model), or (N, d_model) packed by ``packing``; memory (B, S, d_model)
+        for encoder-decoder attention; key_padding_mask (B, S), True at padding; memory_ids (B,)
+        the sentence each memory row holds (lets beam search keep the static K/V without
+        copies). Returns (B, T, d_model) (or (N, d_model) packed) and, if need_weights, the
+        attention weights (B, h, T, S)."""
+        B, T = packing.shape if packing is not None else query.shape[:2]
         cache = (self.get_incremental_state(incremental_state, "kv")
                  if incremental_state is not None else None)
         if self.self_attention:
-            q, k, v = self._heads(self.qkv_proj(query), 3)
+            qkv = self.qkv_proj(query)
+            q, k, v = self._heads(packing.unpack(qkv) if packing is not None else qkv, 3)
             if incremental_state is not None:
                 # the history is kept time-major, (t, B, h, d_k): a beam reorder is only noted,
                 # and applied while copying the history to append this step (one copy per step)
@@ -155,7 +159,8 @@ class MultiHeadedAttention(nn.Module):
                                            {"k": k, "v": v, "order": None})
                 k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # (B, h, t, d_k) views
         else:
-            (q,) = self._heads(self.q_proj(query), 1)
+            q = self.q_proj(query)
+            (q,) = self._heads(packing.unpack(q) if packing is not None else q, 1)
             if cache is not None:  # static K/V: projected at the first step
                 k, v, group = cache["k"], cache["v"], cache["group"]
             else:
@@ -206,6 +211,8 @@ class MultiHeadedAttention(nn.Module):
         # cross-attention: (B / group, h, group * T, d_k) -> (B, T, d_model) alike
         out = out.view(-1, self.h, B // out.size(0), T, self.d_k).permute(0, 2, 3, 1, 4)
         out = out.reshape(B, T, self.h * self.d_k)
+        if packing is not None:
+            out = packing.pack(out)
         if weights is not None:  # (B, h, T, S)
             weights = weights.view(-1, self.h, B // weights.size(0), T, S).transpose(1, 2)
             weights = weights.reshape(B, self.h, T, S)

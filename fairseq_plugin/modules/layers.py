@@ -8,6 +8,7 @@ from typing import Callable, Dict, Optional
 from torch import Tensor, nn
 
 from .attention import MultiHeadedAttention
+from .packing import Packing
 
 
 class SublayerConnection(nn.Module):
@@ -88,18 +89,23 @@ class DecoderLayer(nn.Module):
         incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
         need_attn: bool = False,
         memory_ids: Optional[Tensor] = None,
+        packing: Optional[Packing] = None,
+        self_attn_padding_mask: Optional[Tensor] = None,
     ):
-        """x (B, T, d_model); memory (B, S, d_model); memory_padding_mask (B, S) True at padding.
-        Returns x (B, T, d_model) and, if need_attn, the source attention (B, h, T, S)."""
+        """x (B, T, d_model), or (N, d_model) packed by ``packing``; memory (B, S, d_model);
+        memory_padding_mask (B, S) True at padding; self_attn_padding_mask (B, T) only needed
+        when padding precedes real tokens (left-padded targets).
+        Returns x (shaped as given) and, if need_attn, the source attention (B, h, T, S)."""
         x = self.sublayer[0](x, lambda y: self.self_attn(
-            y, causal=True, incremental_state=incremental_state)[0])
+            y, key_padding_mask=self_attn_padding_mask, causal=True,
+            incremental_state=incremental_state, packing=packing)[0])
         attn = [None]
 
         def src_attn(y):
             out, attn[0] = self.src_attn(
                 y, memory, key_padding_mask=memory_padding_mask,
                 incremental_state=incremental_state, need_weights=need_attn,
-                memory_ids=memory_ids)
+                memory_ids=memory_ids, packing=packing)
             return out
 
         x = self.sublayer[1](x, src_attn)
