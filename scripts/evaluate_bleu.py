@@ -6,7 +6,10 @@ moses post-processing) -> hypotheses in corpus order -> sacrebleu.corpus_bleu ag
 DATA_BIN/raw/test.TGT, printed with its signature and a few source / reference / hypothesis
 triples.
 
-  evaluate_bleu.py DATA_BIN CHECKPOINT [--beam 5] [--examples 5] [--output hyps.txt]
+  evaluate_bleu.py DATA_BIN CHECKPOINT [--beam 5] [--lenpen 1.0] [--subset test|valid]
+                   [--examples 5] [--output hyps.txt]
+
+Choose --lenpen on --subset valid, then report test with it.
 """
 
 import argparse
@@ -65,17 +68,23 @@ def main(argv=None):
     p.add_argument("data_bin")
     p.add_argument("checkpoint")
     p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--lenpen", type=float, default=1.0,
+                   help="fairseq-generate's length penalty (> 1 favours longer output)")
+    p.add_argument("--subset", choices=("test", "valid"), default="test")
     p.add_argument("--examples", type=int, default=5)
     p.add_argument("--output", help="write the detokenised hypotheses here")
     args = p.parse_args(argv)
-    hyps, settings = generate_detokenised(args.data_bin, args.checkpoint, args.beam)
-    result, signature, triples = score(args.data_bin, hyps, settings)
+    hyps, settings = generate_detokenised(args.data_bin, args.checkpoint, args.beam,
+                                          subset=args.subset,
+                                          extra=["--lenpen", str(args.lenpen)])
+    result, signature, triples = score(args.data_bin, hyps, settings, args.subset)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.writelines(h + "\n" for _, _, h in triples)
     for src, ref, hyp in triples[: args.examples]:
         print(f"  source     {src}\n  reference  {ref}\n  hypothesis {hyp}\n")
-    print(f"{result}  (beam {args.beam}, {len(triples)} sentences)\nsignature: {signature}")
+    print(f"{result}  ({args.subset}, beam {args.beam}, lenpen {args.lenpen:g}, "
+          f"{len(triples)} sentences)\nsignature: {signature}")
     return result
 
 

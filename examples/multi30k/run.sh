@@ -7,14 +7,15 @@
 #
 # Steps: prepare (sacremoses + 8k joint BPE) -> fairseq-train -> average the last 5 epoch
 # checkpoints -> fairseq-generate --beam 5 -> detokenised sacreBLEU on test2016.
-# Environment: ARCH (annotated_transformer), EPOCHS (15), WORK (work/multi30k),
-# THREADS (torch threads; default all cores), PYTHON (.venv/bin/python).
+# Environment: ARCH (annotated_transformer), EPOCHS (20), LENPEN (1.6, chosen on valid),
+# WORK (work/multi30k), THREADS (torch threads; default all cores), PYTHON (.venv/bin/python).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-.venv/bin/python}
 BIN=$(dirname "$PYTHON")
 ARCH=${ARCH:-annotated_transformer}
-EPOCHS=${EPOCHS:-15}
+EPOCHS=${EPOCHS:-20}
+LENPEN=${LENPEN:-1.6}
 WORK=${WORK:-work/multi30k}
 DATA=$WORK/data-bin
 CKPT=$WORK/$ARCH
@@ -49,6 +50,6 @@ $PYTHON -m fairseq_plugin.average_checkpoints --inputs "$CKPT" --num-epoch-check
     --output "$CKPT/average_last5.pt" --force
 for ckpt in checkpoint_last.pt average_last5.pt; do
   echo "== $ARCH $ckpt"
-  $PYTHON scripts/evaluate_bleu.py "$DATA" "$CKPT/$ckpt" --beam 5 --examples 0 \
+  $PYTHON scripts/evaluate_bleu.py "$DATA" "$CKPT/$ckpt" --beam 5 --lenpen "$LENPEN" --examples 0 \
       --output "$CKPT/${ckpt%.pt}.test2016.en" | tee "$CKPT/${ckpt%.pt}.bleu"
 done
