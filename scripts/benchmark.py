@@ -115,7 +115,16 @@ def generate_run(data_bin, checkpoint, length, max_tokens):
 
 def ctranslate2_run(data_bin, checkpoint, length, max_tokens, work):
     """Export the checkpoint to CTranslate2 and decode the test set with beam 5, every hypothesis
-    forced to ``length`` tokens + EOS as in generate_run; returns (tokens/s, tokens per hyp)."""
+    forced to ``length`` tokens + EOS as in generate_run, in a child process (so this one stays
+    small: a child's peak memory counts its parent's at fork). Returns (tokens/s, tokens per
+    hypothesis, peak MB)."""
+    out, rss = run_measured([sys.executable, os.path.abspath(__file__), "--ctranslate2-worker",
+                             json.dumps([data_bin, checkpoint, length, max_tokens, work])])
+    result = json.loads(out.strip().splitlines()[-1])
+    return result["tps"], result["per_hyp"], rss
+
+
+def ctranslate2_worker(data_bin, checkpoint, length, max_tokens, work):
     import ctranslate2
     import torch
     from fairseq.data import Dictionary, data_utils
@@ -138,7 +147,7 @@ def ctranslate2_run(data_bin, checkpoint, length, max_tokens, work):
                                          max_decoding_length=length)
     seconds = time.perf_counter() - start
     tokens = sum(len(r.hypotheses[0]) + 1 for r in results)  # + EOS, as fairseq counts
-    return tokens / seconds, tokens / len(results)
+    print(json.dumps({"tps": tokens / seconds, "per_hyp": tokens / len(results)}))
 
 
 def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=3):
@@ -195,7 +204,10 @@ def main(argv=None):
     p.add_argument("--skip-cache", action="store_true", help="skip the cache measurements")
     p.add_argument("--skip-ctranslate2", action="store_true",
                    help="skip decoding the exported model with CTranslate2")
+    p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.ctranslate2_worker:
+        return ctranslate2_worker(*json.loads(args.ctranslate2_worker))
 
     work = args.work_dir or tempfile.mkdtemp(prefix="benchmark-")
     os.makedirs(work, exist_ok=True)
@@ -206,7 +218,7 @@ def main(argv=None):
           f"{os.environ.get('OMP_NUM_THREADS', 'default')}", flush=True)
     results = {arch: {"train_wps": [], "train_mb": [], "gen_tps": [], "gen_mb": []}
                for arch in ARCHS}
-    ct2_tps = []
+    ct2_tps, ct2_mb = [], []
     for r in range(args.rounds):
         for arch in ARCHS:
             save = os.path.join(work, f"{arch}-round{r}")
@@ -222,11 +234,14 @@ def main(argv=None):
             print(f"  round {r + 1} {arch:22s} train {wps:8.0f} wps {mb:6.0f} MB   "
                   f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB", flush=True)
             if arch == "annotated_transformer" and not args.skip_ctranslate2:
-                ct2, per_hyp = ctranslate2_run(data_bin, os.path.join(save, "checkpoint_last.pt"),
-                                               args.gen_length, args.max_tokens, save)
+                ct2, per_hyp, mb = ctranslate2_run(
+                    data_bin, os.path.join(save, "checkpoint_last.pt"), args.gen_length,
+                    args.max_tokens, save)
                 ct2_tps.append(ct2)
+                ct2_mb.append(mb)
                 print(f"  round {r + 1} {'(exported) CTranslate2':22s} beam-5 {ct2:7.1f} tok/s "
-                      f"({per_hyp:.0f} tokens per hypothesis)", flush=True)
+                      f"{mb:6.0f} MB ({per_hyp:.0f} tokens per hypothesis, export included "
+                      "in MB)", flush=True)
 
     med = {a: {k: statistics.median(v) for k, v in res.items()} for a, res in results.items()}
     ours, theirs = med["annotated_transformer"], med["transformer"]

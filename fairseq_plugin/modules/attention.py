@@ -59,17 +59,38 @@ def attention_reference(query, key, value, mask=None, dropout=None):
     return torch.matmul(p_used.to(value.dtype), value), p_attn
 
 
-def _extend(history: Tensor, new: Tensor, order: Optional[Tensor]) -> Tensor:
-    """history (t, B0, h, d_k) reordered by ``order`` (B,) if given, then new (T, B, h, d_k)
-    appended: (t + T, B, h, d_k), written in one pass."""
-    t = history.size(0)
-    out = history.new_empty((t + new.size(0),) + tuple(new.shape[1:]))
-    if order is None:
-        out[:t].copy_(history)
-    else:
-        torch.index_select(history, 1, order, out=out[:t])
-    out[t:].copy_(new)
-    return out
+def _append(cache, k: Tensor, v: Tensor) -> Dict[str, Tensor]:
+    """Append k, v (B, h, T, d_k) to the self-attention history.
+
+    The history lives in buffers (B, h, capacity, d_k), filled up to "length" (views of it stay
+    matmul-friendly: (B, h) flatten into one batch dimension). A beam reorder is only noted
+    ("order"); it is applied here by one row gather into a spare buffer of the same size, which
+    then becomes the current one, so each step copies the history once, in large contiguous
+    pieces, instead of concatenating and then reordering it.
+    """
+    if cache is None:
+        B, h, T, d_k = k.shape
+        capacity = max(32, T)
+        cache = {"k": k.new_empty(B, h, capacity, d_k), "v": v.new_empty(B, h, capacity, d_k),
+                 "k_spare": None, "v_spare": None, "length": torch.tensor(0), "order": None}
+    t, T = int(cache["length"]), k.size(2)
+    for name in ("k", "v"):
+        buf, spare = cache[name], cache[name + "_spare"]
+        if cache["order"] is not None:  # rows follow beam search
+            B = cache["order"].numel()
+            if spare is None or spare.shape != (B,) + buf.shape[1:]:
+                spare = buf.new_empty(B, *buf.shape[1:])
+            torch.index_select(buf[:, :, :t], 0, cache["order"], out=spare[:, :, :t])
+            buf, spare = spare, buf
+        if t + T > buf.size(2):  # grow
+            grown = buf.new_empty(buf.size(0), buf.size(1), 2 * (t + T), buf.size(3))
+            grown[:, :, :t] = buf[:, :, :t]
+            buf, spare = grown, None
+        buf[:, :, t:t + T] = k if name == "k" else v
+        cache[name], cache[name + "_spare"] = buf, spare
+    cache["length"] = torch.tensor(t + T)
+    cache["order"] = None
+    return cache
 
 
 def group_size(ids: Tensor) -> int:
@@ -149,15 +170,10 @@ class MultiHeadedAttention(nn.Module):
             qkv = self.qkv_proj(query)
             q, k, v = self._heads(packing.unpack(qkv) if packing is not None else qkv, 3)
             if incremental_state is not None:
-                # the history is kept time-major, (t, B, h, d_k): a beam reorder is only noted,
-                # and applied while copying the history to append this step (one copy per step)
-                k, v = k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)  # (T, B, h, d_k)
-                if cache is not None:
-                    k = _extend(cache["k"], k, cache["order"])
-                    v = _extend(cache["v"], v, cache["order"])
-                self.set_incremental_state(incremental_state, "kv",
-                                           {"k": k, "v": v, "order": None})
-                k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # (B, h, t, d_k) views
+                cache = _append(cache, k, v)
+                self.set_incremental_state(incremental_state, "kv", cache)
+                t = int(cache["length"])
+                k, v = cache["k"][:, :, :t], cache["v"][:, :, :t]  # (B, h, t, d_k) views
         else:
             q = self.q_proj(query)
             (q,) = self._heads(packing.unpack(q) if packing is not None else q, 1)
@@ -253,9 +269,11 @@ class MultiHeadedAttention(nn.Module):
         cache = self.get_incremental_state(incremental_state, "kv")
         k, v = cache["k"], cache["v"]
         if self.self_attention:
+            t = int(cache["length"])
+            k, v = k[:, :, :t], v[:, :, :t]
             if cache["order"] is not None:
-                k, v = k.index_select(1, cache["order"]), v.index_select(1, cache["order"])
-            return k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+                k, v = k.index_select(0, cache["order"]), v.index_select(0, cache["order"])
+            return k, v
         rows = torch.arange(cache["ids"].numel() if cache["ids"] is not None else k.size(0))
         return k.index_select(0, rows // cache["group"]), v.index_select(0, rows // cache["group"])
 
