@@ -105,9 +105,16 @@ def test_short_run_generates_and_scores_with_sacrebleu(trained):
                            w / "bin", ckpt / "checkpoint_last.pt", "--examples", "2"],
                           capture_output=True, text=True, check=True)
     lines = proc.stdout.splitlines()
-    assert any(line.startswith("BLEU = ") and "(beam 5, 60 sentences)" in line for line in lines)
+    assert any(line.startswith("BLEU = ") and "(test, beam 5, lenpen 1, 60 sentences)" in line
+               for line in lines)
     assert any(line.startswith("signature: nrefs:1|case:mixed|eff:no|tok:13a") for line in lines)
     assert sum(line.strip().startswith("hypothesis") for line in lines) == 2
+    # the length penalty is chosen on the validation set
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "evaluate_bleu.py"),
+                           w / "bin", ckpt / "checkpoint_last.pt", "--examples", "0",
+                           "--subset", "valid", "--lenpen", "1.5"],
+                          capture_output=True, text=True, check=True)
+    assert "(valid, beam 5, lenpen 1.5, " in proc.stdout
 
 
 def test_averaging_two_checkpoints_gives_the_mean_and_still_generates(trained, tmp_path):
