@@ -164,3 +164,15 @@ def test_export_refuses_to_overwrite_without_force(reverse_run, exported):
     assert proc.returncode != 0
     assert "already exists; choose another output or pass --force" in proc.stderr
     assert exported["checkpoint"].read_bytes() == before
+
+
+def test_options_ctranslate2_does_not_support_are_refused_in_one_line(tmp_path):
+    from fairseq_plugin.export import to_ctranslate2
+
+    args = transformer_args(ours_args({"no_token_positional_embeddings": True}))
+    args.source_lang, args.target_lang = "src", "tgt"
+    exported = {"args": None, "cfg": {"model": {}}, "model": {}}
+    with pytest.raises(PluginError, match="CTranslate2 cannot convert this model: .*"
+                                          "--no-token-positional-embeddings is not supported"):
+        to_ctranslate2(exported, str(tmp_path), str(tmp_path / "ct2"), args, force=False)
+    assert not (tmp_path / "ct2").exists()
