@@ -69,8 +69,7 @@ def transformer_args(ours: Namespace) -> Namespace:
     for name, value in (("layernorm_embedding", False), ("no_decoder_final_norm", False),
                         ("no_cross_attention", False), ("cross_self_attention", False),
                         ("adaptive_input", False), ("adaptive_softmax_cutoff", None),
-                        ("tie_adaptive_weights", False), ("decoder_output_dim", None),
-                        ("decoder_input_dim", None)):
+                        ("tie_adaptive_weights", False)):
         setattr(args, name, value)
     args.decoder_output_dim = args.decoder_input_dim = ours.decoder_embed_dim
     base_architecture(args)  # fairseq's own defaults for everything else
@@ -244,7 +243,7 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
                           "with) does not exist; pass it with --data")
     ours_args = copy.deepcopy(cfg.model)
     ours_args.data = data
-    task = tasks.setup_task(Namespace(**{**vars(ours_args), "data": data}))
+    task = tasks.setup_task(ours_args)
     ours_model = task.build_model(ours_args)
     ours_model.load_state_dict(state["model"], strict=True)
 

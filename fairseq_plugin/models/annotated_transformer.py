@@ -102,8 +102,7 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         """
         ids = encoder_out.get("sentence_ids")
         if ids:
-            new_ids = ids[0].index_select(0, new_order)
-            if new_ids.shape == ids[0].shape and torch.equal(new_ids, ids[0]):
+            if torch.equal(ids[0].index_select(0, new_order), ids[0]):
                 return encoder_out
         return {key: [t.index_select(0, new_order) for t in value]
                 for key, value in encoder_out.items()}

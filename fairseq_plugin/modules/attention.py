@@ -72,8 +72,8 @@ def _append(cache, k: Tensor, v: Tensor) -> Dict[str, Tensor]:
         B, h, T, d_k = k.shape
         capacity = max(32, T)
         cache = {"k": k.new_empty(B, h, capacity, d_k), "v": v.new_empty(B, h, capacity, d_k),
-                 "k_spare": None, "v_spare": None, "length": torch.tensor(0), "order": None}
-    t, T = int(cache["length"]), k.size(2)
+                 "k_spare": None, "v_spare": None, "length": 0, "order": None}
+    t, T = cache["length"], k.size(2)
     for name in ("k", "v"):
         buf, spare = cache[name], cache[name + "_spare"]
         if cache["order"] is not None:  # rows follow beam search
@@ -88,7 +88,7 @@ def _append(cache, k: Tensor, v: Tensor) -> Dict[str, Tensor]:
             buf, spare = grown, None
         buf[:, :, t:t + T] = k if name == "k" else v
         cache[name], cache[name + "_spare"] = buf, spare
-    cache["length"] = torch.tensor(t + T)
+    cache["length"] = t + T
     cache["order"] = None
     return cache
 
@@ -172,7 +172,7 @@ class MultiHeadedAttention(nn.Module):
             if incremental_state is not None:
                 cache = _append(cache, k, v)
                 self.set_incremental_state(incremental_state, "kv", cache)
-                t = int(cache["length"])
+                t = cache["length"]
                 k, v = cache["k"][:, :, :t], cache["v"][:, :, :t]  # (B, h, t, d_k) views
         else:
             q = self.q_proj(query)
@@ -185,9 +185,10 @@ class MultiHeadedAttention(nn.Module):
                          if incremental_state is not None and memory_ids is not None else 1)
                 k, v = self._heads(self.kv_proj(memory[::group]), 2)  # (B / group, h, S, d_k)
                 if incremental_state is not None:
+                    ids = memory_ids if memory_ids is not None else torch.arange(
+                        B, device=query.device)
                     self.set_incremental_state(
-                        incremental_state, "kv", {"k": k, "v": v, "ids": memory_ids,
-                                                  "group": group})
+                        incremental_state, "kv", {"k": k, "v": v, "ids": ids, "group": group})
             if group > 1:  # the group's queries attend together to their sentence's K/V
                 q = q.reshape(B // group, group, self.h, T, self.d_k).transpose(1, 2)
                 q = q.reshape(B // group, self.h, group * T, self.d_k)
@@ -248,15 +249,14 @@ class MultiHeadedAttention(nn.Module):
         if cache is None:
             return incremental_state
         if not self.self_attention:
-            ids = cache["ids"]
-            new_ids = ids.index_select(0, new_order) if ids is not None else new_order
-            if ids is not None and new_ids.shape == ids.shape and torch.equal(new_ids, ids):
+            new_ids = cache["ids"].index_select(0, new_order)
+            if torch.equal(new_ids, cache["ids"]):  # every row keeps its sentence
                 return incremental_state
-            group = group_size(new_ids) if ids is not None else 1
+            group = group_size(new_ids)
             # new group j reads the K/V row of old row new_order[j * group]
             rows = new_order[::group] // cache["group"]
             cache.update(k=cache["k"].index_select(0, rows), v=cache["v"].index_select(0, rows),
-                         ids=new_ids if ids is not None else None, group=group)
+                         ids=new_ids, group=group)
             return self.set_incremental_state(incremental_state, "kv", cache)
         # self-attention: remember the order; row i of the history becomes row order[i]
         order = cache["order"]
@@ -269,12 +269,12 @@ class MultiHeadedAttention(nn.Module):
         cache = self.get_incremental_state(incremental_state, "kv")
         k, v = cache["k"], cache["v"]
         if self.self_attention:
-            t = int(cache["length"])
+            t = cache["length"]
             k, v = k[:, :, :t], v[:, :, :t]
             if cache["order"] is not None:
                 k, v = k.index_select(0, cache["order"]), v.index_select(0, cache["order"])
             return k, v
-        rows = torch.arange(cache["ids"].numel() if cache["ids"] is not None else k.size(0))
+        rows = torch.arange(cache["ids"].numel())
         return k.index_select(0, rows // cache["group"]), v.index_select(0, rows // cache["group"])
 
 
