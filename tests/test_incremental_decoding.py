@@ -5,7 +5,8 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build_tiny_model, make_dictionary, random_tokens
-from fairseq_plugin.modules.attention import MultiHeadedAttention, group_size
+from fairseq_plugin.modules.attention import MultiHeadedAttention, attention_reference, group_size
+from fairseq_plugin.modules.history import SelfAttentionHistory
 from fairseq_plugin.recomputing import without_cache
 
 
@@ -187,3 +188,65 @@ def test_source_keys_and_values_are_kept_once_per_sentence_and_not_copied_within
             assert torch.equal(m.get_incremental_state(state, "kv")["k"], k[[0, 2]])
             keys, _ = m.cached_keys_values(state)
             assert torch.equal(keys, k[[0, 2]].repeat_interleave(beam, 0))
+
+
+def naive_history_test_steps(group, steps, cross_group_at=None, shrink_at=None, seed=0):
+    """Append random steps to a SelfAttentionHistory and to plain per-row lists, reordering
+    both as beam search does; returns (history, reference keys (B, h, t, d_k), values)."""
+    g = torch.Generator().manual_seed(seed)
+    sentences, h, d_k = 3, 2, 4
+    B = sentences * group
+    history = SelfAttentionHistory(group)
+    ref_k = torch.zeros(B, h, 0, d_k)
+    ref_v = torch.zeros(B, h, 0, d_k)
+    for step in range(steps):
+        k, v = torch.randn(B, h, 1, d_k, generator=g), torch.randn(B, h, 1, d_k, generator=g)
+        history.append(k, v)
+        ref_k, ref_v = torch.cat([ref_k, k], 2), torch.cat([ref_v, v], 2)
+        n = B // group
+        new_order = (torch.arange(n)[:, None] * group
+                     + torch.randint(0, group, (n, group), generator=g)).view(-1)
+        if step == cross_group_at:  # a row takes another sentence's hypothesis
+            new_order[0] = B - 1
+        if step == shrink_at and n > 1:  # the middle sentence finishes
+            new_order = torch.cat([new_order[:group], new_order[2 * group:]])
+            B -= group
+        history.reorder(new_order)
+        ref_k, ref_v = ref_k.index_select(0, new_order), ref_v.index_select(0, new_order)
+    return history, ref_k, ref_v
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_history_rows_equal_per_row_histories_through_reorders_growth_and_shrinking(group):
+    history, ref_k, ref_v = naive_history_test_steps(group, steps=40, shrink_at=20)
+    assert history.length == 40 and history.group == group  # grew past its first capacity
+    k, v = history.rows()
+    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+
+
+def test_history_reorder_within_groups_moves_no_keys():
+    history, _, _ = naive_history_test_steps(4, steps=5)
+    keys = history.k.data_ptr()
+    history.reorder(torch.tensor([3, 3, 0, 1, 4, 5, 6, 7, 11, 8, 8, 8]))
+    assert history.k.data_ptr() == keys and history.group == 4
+    history.append(torch.zeros(12, 2, 1, 4), torch.zeros(12, 2, 1, 4))
+    assert history.k.data_ptr() == keys  # the new step is written in place
+
+
+def test_history_reorder_across_sentences_falls_back_to_one_history_per_row():
+    history, ref_k, ref_v = naive_history_test_steps(4, steps=6, cross_group_at=3)
+    assert history.group == 1
+    k, v = history.rows()
+    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+
+
+def test_grouped_history_attention_equals_attention_over_each_rows_own_history():
+    """What a query computes from the group's keys under the ancestry mask is what it computes
+    from its own history alone."""
+    history, ref_k, ref_v = naive_history_test_steps(4, steps=7)
+    k, v, bias = history.keys_values()  # (3, 2, 28, 4), mask (3, 1, 4, 28)
+    q = torch.randn(12, 2, 1, 4)
+    grouped = q.view(3, 4, 2, 4).transpose(1, 2)  # the 4 queries of each group together
+    out, _ = attention_reference(grouped, k, v, bias=bias)
+    expected, _ = attention_reference(q, ref_k, ref_v)
+    assert torch.allclose(out.transpose(1, 2).reshape(12, 2, 1, 4), expected, atol=1e-6)

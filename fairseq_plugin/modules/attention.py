@@ -21,6 +21,7 @@ from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor, nn
 
 from ..errors import PluginError
+from .history import SelfAttentionHistory
 from .packing import Packing
 
 # Since torch 2.5, scaled_dot_product_attention returns zeros for a query whose mask allows no
@@ -42,55 +43,24 @@ def _a_divisor(d_model: int, heads: int) -> int:
     return max((h for h in range(1, max(heads, 1) + 1) if d_model % h == 0), default=1)
 
 
-def attention_reference(query, key, value, mask=None, dropout=None):
+def attention_reference(query, key, value, mask=None, dropout=None, bias=None):
     """The seed's formula written out: softmax(Q K^T / sqrt(d_k)) V with masked scores.
 
     query (B, h, T, d_k), key/value (B, h, S, d_k), mask broadcastable to (B, h, T, S) with
-    True where a query may attend. Scores are computed in fp32 and masked with -inf (not -1e9,
-    which overflows fp16); a row with nothing to attend to gets all-zero weights.
+    True where a query may attend, or bias, added to the scores (0 or -inf). Scores are computed
+    in fp32 and masked with -inf (not -1e9, which overflows fp16); a row with nothing to attend
+    to gets all-zero weights.
     Returns output (B, h, T, d_k) in the input dtype and weights (B, h, T, S) in fp32.
     """
     d_k = query.size(-1)
     scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) / math.sqrt(d_k)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
+    if bias is not None:
+        scores += bias
     p_attn = scores.softmax(dim=-1).nan_to_num(0.0)  # fully masked row: NaN -> 0
     p_used = dropout(p_attn) if dropout is not None else p_attn
     return torch.matmul(p_used.to(value.dtype), value), p_attn
-
-
-def _append(cache, k: Tensor, v: Tensor) -> Dict[str, Tensor]:
-    """Append k, v (B, h, T, d_k) to the self-attention history.
-
-    The history lives in buffers (B, h, capacity, d_k), filled up to "length" (views of it stay
-    matmul-friendly: (B, h) flatten into one batch dimension). A beam reorder is only noted
-    ("order"); it is applied here by one row gather into a spare buffer of the same size, which
-    then becomes the current one, so each step copies the history once, in large contiguous
-    pieces, instead of concatenating and then reordering it.
-    """
-    if cache is None:
-        B, h, T, d_k = k.shape
-        capacity = max(32, T)
-        cache = {"k": k.new_empty(B, h, capacity, d_k), "v": v.new_empty(B, h, capacity, d_k),
-                 "k_spare": None, "v_spare": None, "length": 0, "order": None}
-    t, T = cache["length"], k.size(2)
-    for name in ("k", "v"):
-        buf, spare = cache[name], cache[name + "_spare"]
-        if cache["order"] is not None:  # rows follow beam search
-            B = cache["order"].numel()
-            if spare is None or spare.shape != (B,) + buf.shape[1:]:
-                spare = buf.new_empty(B, *buf.shape[1:])
-            torch.index_select(buf[:, :, :t], 0, cache["order"], out=spare[:, :, :t])
-            buf, spare = spare, buf
-        if t + T > buf.size(2):  # grow
-            grown = buf.new_empty(buf.size(0), buf.size(1), 2 * (t + T), buf.size(3))
-            grown[:, :, :t] = buf[:, :, :t]
-            buf, spare = grown, None
-        buf[:, :, t:t + T] = k if name == "k" else v
-        cache[name], cache[name + "_spare"] = buf, spare
-    cache["length"] = t + T
-    cache["order"] = None
-    return cache
 
 
 def group_size(ids: Tensor) -> int:
@@ -160,20 +130,28 @@ class MultiHeadedAttention(nn.Module):
     ) -> Tuple[Tensor, Optional[Tensor]]:
         """query (B, T, d_model), or (N, d_model) packed by ``packing``; memory (B, S, d_model)
         for encoder-decoder attention; key_padding_mask (B, S), True at padding; memory_ids (B,)
-        the sentence each memory row holds (lets beam search keep the static K/V without
+        the sentence each row holds (lets beam search keep a sentence's K/V together, without
         copies). Returns (B, T, d_model) (or (N, d_model) packed) and, if need_weights, the
         attention weights (B, h, T, S)."""
         B, T = packing.shape if packing is not None else query.shape[:2]
         cache = (self.get_incremental_state(incremental_state, "kv")
                  if incremental_state is not None else None)
+        group, bias = 1, None
         if self.self_attention:
             qkv = self.qkv_proj(query)
             q, k, v = self._heads(packing.unpack(qkv) if packing is not None else qkv, 3)
             if incremental_state is not None:
-                cache = _append(cache, k, v)
-                self.set_incremental_state(incremental_state, "kv", cache)
-                t = cache["length"]
-                k, v = cache["k"][:, :, :t], cache["v"][:, :, :t]  # (B, h, t, d_k) views
+                if cache is None:  # keep each sentence's hypotheses together (history.py)
+                    cache = SelfAttentionHistory(
+                        group_size(memory_ids) if memory_ids is not None and T == 1
+                        and key_padding_mask is None else 1)
+                    self.set_incremental_state(incremental_state, "kv", cache)
+                if need_weights or self.recorded is not None:
+                    cache.ungroup()  # weights over each row's own history
+                cache.append(k, v)
+                # (B / group, h, t * group, d_k) and the ancestry mask when group > 1
+                k, v, bias = cache.keys_values()
+                group = cache.group
         else:
             q = self.q_proj(query)
             (q,) = self._heads(packing.unpack(q) if packing is not None else q, 1)
@@ -185,15 +163,16 @@ class MultiHeadedAttention(nn.Module):
                          if incremental_state is not None and memory_ids is not None else 1)
                 k, v = self._heads(self.kv_proj(memory[::group]), 2)  # (B / group, h, S, d_k)
                 if incremental_state is not None:
+                    k, v = k.contiguous(), v.contiguous()  # or matmul copies them every step
                     ids = memory_ids if memory_ids is not None else torch.arange(
                         B, device=query.device)
                     self.set_incremental_state(
                         incremental_state, "kv", {"k": k, "v": v, "ids": ids, "group": group})
-            if group > 1:  # the group's queries attend together to their sentence's K/V
-                q = q.reshape(B // group, group, self.h, T, self.d_k).transpose(1, 2)
-                q = q.reshape(B // group, self.h, group * T, self.d_k)
-                if key_padding_mask is not None:
-                    key_padding_mask = key_padding_mask[::group]
+            if group > 1 and key_padding_mask is not None:
+                key_padding_mask = key_padding_mask[::group]
+        if group > 1:  # the group's queries attend together to their sentence's K/V
+            q = q.reshape(B // group, group, self.h, T, self.d_k).transpose(1, 2)
+            q = q.reshape(B // group, self.h, group * T, self.d_k)
         S = k.size(2)
 
         mask = None  # (B or 1, 1, T or 1, S), True = may attend
@@ -214,13 +193,13 @@ class MultiHeadedAttention(nn.Module):
         if need_weights or self.recorded is not None or decoding_on_cpu:
             if use_is_causal:
                 mask = causal_mask(T, S, query.device)
-            out, weights = attention_reference(q, k, v, mask, self.dropout)
+            out, weights = attention_reference(q, k, v, mask, self.dropout, bias)
             if not (need_weights or self.recorded is not None):
                 weights = None
         else:
             weights = None
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=use_is_causal,
+                q, k, v, attn_mask=mask if bias is None else bias, is_causal=use_is_causal,
                 dropout_p=self.dropout.p if self.training else 0.0)
             if mask is not None and not _SDPA_ZEROES_EMPTY_ROWS:
                 out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
@@ -240,42 +219,35 @@ class MultiHeadedAttention(nn.Module):
     def reorder_incremental_state(self, incremental_state, new_order: Tensor):
         """Follow beam search: row i of the new cache is row new_order[i] of the old one.
 
-        The cached self-attention history is always reordered. The static encoder K/V is kept
-        once per group of rows that hold the same sentence, so when every row keeps its sentence
-        (beam search reorders within a sentence's group) there is nothing to copy; when
-        sentences finish and the batch shrinks, the groups' K/V rows are selected.
+        The self-attention history moves no keys when every row stays in its sentence's group
+        (only the rows' ancestry masks are gathered, see history.py). The static encoder K/V is
+        kept once per group of rows that hold the same sentence, so there is nothing to copy
+        then either; when sentences finish and the batch shrinks, the groups' rows are selected.
         """
         cache = self.get_incremental_state(incremental_state, "kv")
         if cache is None:
             return incremental_state
-        if not self.self_attention:
-            new_ids = cache["ids"].index_select(0, new_order)
-            if torch.equal(new_ids, cache["ids"]):  # every row keeps its sentence
-                return incremental_state
-            group = group_size(new_ids)
-            # new group j reads the K/V row of old row new_order[j * group]
-            rows = new_order[::group] // cache["group"]
-            cache.update(k=cache["k"].index_select(0, rows), v=cache["v"].index_select(0, rows),
-                         ids=new_ids, group=group)
-            return self.set_incremental_state(incremental_state, "kv", cache)
-        # self-attention: remember the order; row i of the history becomes row order[i]
-        order = cache["order"]
-        cache["order"] = new_order if order is None else order.index_select(0, new_order)
+        if self.self_attention:
+            cache.reorder(new_order)
+            return incremental_state
+        new_ids = cache["ids"].index_select(0, new_order)
+        if torch.equal(new_ids, cache["ids"]):  # every row keeps its sentence
+            return incremental_state
+        group = group_size(new_ids)
+        # new group j reads the K/V row of old row new_order[j * group]
+        rows = new_order[::group] // cache["group"]
+        cache.update(k=cache["k"].index_select(0, rows), v=cache["v"].index_select(0, rows),
+                     ids=new_ids, group=group)
         return self.set_incremental_state(incremental_state, "kv", cache)
 
     def cached_keys_values(self, incremental_state) -> Tuple[Tensor, Tensor]:
         """The keys and values the next step attends to, one row per hypothesis:
         (B, h, t, d_k) for self-attention, (B, h, S, d_k) for encoder-decoder attention."""
         cache = self.get_incremental_state(incremental_state, "kv")
-        k, v = cache["k"], cache["v"]
         if self.self_attention:
-            t = cache["length"]
-            k, v = k[:, :, :t], v[:, :, :t]
-            if cache["order"] is not None:
-                k, v = k.index_select(0, cache["order"]), v.index_select(0, cache["order"])
-            return k, v
-        rows = torch.arange(cache["ids"].numel())
-        return k.index_select(0, rows // cache["group"]), v.index_select(0, rows // cache["group"])
+            return cache.rows()
+        rows = torch.arange(cache["ids"].numel()) // cache["group"]
+        return cache["k"].index_select(0, rows), cache["v"].index_select(0, rows)
 
 
 @contextlib.contextmanager

@@ -98,7 +98,7 @@ class DecoderLayer(nn.Module):
         Returns x (shaped as given) and, if need_attn, the source attention (B, h, T, S)."""
         x = self.sublayer[0](x, lambda y: self.self_attn(
             y, key_padding_mask=self_attn_padding_mask, causal=True,
-            incremental_state=incremental_state, packing=packing)[0])
+            incremental_state=incremental_state, memory_ids=memory_ids, packing=packing)[0])
         attn = [None]
 
         def src_attn(y):
