@@ -97,6 +97,12 @@ def test_post_norm_conflicts_with_normalize_before():
         build_tiny_model(post_norm=True, encoder_normalize_before=True)
 
 
+@pytest.mark.parametrize("flag", ["dropout", "attention_dropout", "activation_dropout"])
+def test_a_dropout_that_is_not_a_probability_is_a_clear_error(flag):
+    with pytest.raises(PluginError, match=f"--{flag.replace('_', '-')} 1.0 is not a probability"):
+        build_tiny_model(**{flag: 1.0})
+
+
 def test_too_long_source_is_a_clear_error():
     d = make_dictionary()
     model = build_tiny_model(d, max_source_positions=8)

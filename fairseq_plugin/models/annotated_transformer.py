@@ -267,6 +267,10 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
     def build_model(cls, args, task):
         base_architecture(args)
         _check_layer_norm_flags(args)
+        for flag in ("dropout", "attention_dropout", "activation_dropout"):
+            if not 0.0 <= getattr(args, flag) < 1.0:
+                raise PluginError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not a "
+                                  "probability in [0, 1); use e.g. 0.1")
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
         scale = not args.no_scale_embedding
         if args.share_all_embeddings:

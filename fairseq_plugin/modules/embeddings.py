@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import PluginError
+from .dropout import Dropout
 
 
 class Embeddings(nn.Module):
@@ -90,7 +91,7 @@ class EmbeddingLayer(nn.Module):
         super().__init__()
         self.embeddings = embeddings
         self.positional = positional
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.side = side  # "source" or "target", for error messages
 
     @property

@@ -8,6 +8,7 @@ from typing import Callable, Dict, Optional
 from torch import Tensor, nn
 
 from .attention import MultiHeadedAttention
+from .dropout import Dropout
 from .packing import Packing
 
 
@@ -24,7 +25,7 @@ class SublayerConnection(nn.Module):
     def __init__(self, d_model: int, dropout: float, normalize_before: bool):
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.normalize_before = normalize_before
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
@@ -42,7 +43,7 @@ class PositionwiseFeedForward(nn.Module):
         self.w_1 = nn.Linear(d_model, d_ff)
         self.w_2 = nn.Linear(d_ff, d_model)
         self.activation = activation
-        self.dropout = nn.Dropout(activation_dropout)
+        self.dropout = Dropout(activation_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w_2(self.dropout(self.activation(self.w_1(x))))

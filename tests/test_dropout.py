@@ -1,0 +1,58 @@
+"""The CPU dropout: Bernoulli masks from 15-bit slices of random integers."""
+
+import pytest
+import torch
+
+from fairseq_plugin.modules.dropout import Dropout, keep_mask, rounded_drop_probability
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+def test_each_element_is_kept_with_probability_one_minus_p(p):
+    torch.manual_seed(0)
+    n = 1 << 20
+    keep = keep_mask(torch.Size([n]), p)
+    # one standard deviation is sqrt(p (1 - p) / n) < 5e-4 overall, < 1e-3 per slice
+    assert abs(keep.float().mean().item() - (1 - p)) < 3e-3
+    # each of the four slices of a 63-bit word (the last one holds the word's top bits)
+    for slice_ in keep.view(-1, 4).float().mean(0).tolist():
+        assert abs(slice_ - (1 - p)) < 5e-3
+    # neighbours are independent: P(both kept) = (1 - p)^2
+    both = (keep[:-1] & keep[1:]).float().mean().item()
+    assert abs(both - (1 - p) ** 2) < 5e-3
+
+
+def test_the_drop_probability_is_p_rounded_to_a_multiple_of_2_to_the_minus_15():
+    assert rounded_drop_probability(0.1) == 3277 / 32768
+    assert abs(rounded_drop_probability(0.1) - 0.1) < 1e-5
+    assert rounded_drop_probability(0.5) == 0.5
+
+
+def test_survivors_are_scaled_and_the_gradient_follows_the_same_mask():
+    torch.manual_seed(1)
+    x = torch.randn(300, 64, requires_grad=True)
+    dropout = Dropout(0.25).train()
+    y = dropout(x)
+    kept = y != 0
+    assert 0.7 < kept.float().mean().item() < 0.8
+    scale = 1 / (1 - rounded_drop_probability(0.25))
+    assert torch.allclose(y[kept], x[kept] * scale)
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert torch.allclose(x.grad, g * kept * scale)
+
+
+def test_the_mean_is_unchanged_in_expectation():
+    torch.manual_seed(2)
+    x = torch.ones(1 << 20)
+    assert abs(Dropout(0.3).train()(x).mean().item() - 1.0) < 5e-3
+
+
+def test_same_seed_same_mask_and_identity_in_eval_or_at_p_zero():
+    x = torch.randn(50, 8)
+    torch.manual_seed(3)
+    a = Dropout(0.5).train()(x)
+    torch.manual_seed(3)
+    b = Dropout(0.5).train()(x)
+    assert torch.equal(a, b) and not torch.equal(a, x)
+    assert Dropout(0.5).eval()(x) is x
+    assert Dropout(0.0).train()(x) is x
