@@ -43,7 +43,7 @@ class SelfAttentionHistory:
         if self.group > 1 and (k.size(2) > 1 or k.size(0) % self.group):
             self.ungroup()  # several steps at once take the per-row path
         if self.k is None:
-            self._allocate(k, max(MIN_CAPACITY, k.size(2)))
+            self._allocate(k, k.size(0), max(MIN_CAPACITY, k.size(2)))
         if self.group == 1:
             self._apply_order()
         g, t, T = self.group, self.length, k.size(2)
@@ -110,26 +110,26 @@ class SelfAttentionHistory:
         """Switch to one history per row (g = 1)."""
         if self.group == 1:
             return
-        if self.k is not None:
-            k, v = self.rows()
-            self.group, self.ancestry = 1, None
-            self._allocate(k, max(MIN_CAPACITY, self.length))
+        rows = self.rows() if self.k is not None else None
+        self.group, self.ancestry = 1, None
+        if rows is not None:
+            k, v = rows
+            self._allocate(k, k.size(0), max(MIN_CAPACITY, self.length))
             self.k[:, :, :self.length], self.v[:, :, :self.length] = k, v
-        self.group = 1
 
-    def _allocate(self, k: Tensor, capacity: int) -> None:
-        B, h, _, d_k = k.shape
-        g = self.group
-        self.k = k.new_empty(B // g, h, capacity * g, d_k)
-        self.v = k.new_empty(B // g, h, capacity * g, d_k)
+    def _allocate(self, like: Tensor, B: int, capacity: int) -> None:
+        """Empty buffers for capacity steps of B rows, h and d_k (and dtype, device) of like."""
+        g, h, d_k = self.group, like.size(1), like.size(-1)
+        self.k = like.new_empty(B // g, h, capacity * g, d_k)
+        self.v = like.new_empty(B // g, h, capacity * g, d_k)
         self.spare = (None, None)
         if g > 1:
-            self.ancestry = k.new_full((B, capacity * g), float("-inf"))
+            self.ancestry = like.new_full((B, capacity * g), float("-inf"))
 
     def _grow(self, capacity: int) -> None:
         used = self.length * self.group
         k, v, ancestry = self.k, self.v, self.ancestry
-        self._allocate(k.new_empty(k.size(0) * self.group, k.size(1), 0, k.size(3)), capacity)
+        self._allocate(k, k.size(0) * self.group, capacity)
         self.k[:, :, :used], self.v[:, :, :used] = k[:, :, :used], v[:, :, :used]
         if ancestry is not None:
             self.ancestry[:, :used] = ancestry[:, :used]
