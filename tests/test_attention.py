@@ -4,34 +4,26 @@ import pytest
 import torch
 
 from fairseq_plugin.errors import PluginError
-from fairseq_plugin.modules.attention import MultiHeadedAttention, causal_mask
+from fairseq_plugin import reference
+from fairseq_plugin.modules.attention import (
+    EXPLICIT,
+    FUSED,
+    MultiHeadedAttention,
+    causal_mask,
+    choose_kernel,
+)
 
 
 def seed_formula(x, memory, attn, mask=None):
-    """The seed's MultiHeadedAttention written out with separate W^Q, W^K, W^V, W^O:
-    heads split from d_model, softmax(Q K^T / sqrt(d_k)) with masked scores, concat, W^O."""
-    h, d_k = attn.h, attn.d_k
-    d = h * d_k
-    if attn.self_attention:
-        W, b = attn.qkv_proj.weight, attn.qkv_proj.bias
-        Wq, Wk, Wv = W[:d], W[d:2 * d], W[2 * d:]
-        bq, bk, bv = b[:d], b[d:2 * d], b[2 * d:]
-        memory = x
-    else:
-        Wq, bq = attn.q_proj.weight, attn.q_proj.bias
-        Wk, Wv = attn.kv_proj.weight[:d], attn.kv_proj.weight[d:]
-        bk, bv = attn.kv_proj.bias[:d], attn.kv_proj.bias[d:]
-    B, T, _ = x.shape
-    S = memory.size(1)
-    q = (x @ Wq.T + bq).view(B, T, h, d_k).transpose(1, 2)
-    k = (memory @ Wk.T + bk).view(B, S, h, d_k).transpose(1, 2)
-    v = (memory @ Wv.T + bv).view(B, S, h, d_k).transpose(1, 2)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)
-    if mask is not None:
-        scores = scores.masked_fill(mask == 0, -1e9)
-    p = scores.softmax(-1)
-    out = (p @ v).transpose(1, 2).reshape(B, T, d)
-    return out @ attn.out_proj.weight.T + attn.out_proj.bias, p
+    """The notebook's MultiHeadedAttention (fairseq_plugin.reference) with attn's weights."""
+    plain = reference.MultiHeadedAttention.like(attn)
+    source = x if attn.self_attention else memory
+    return plain(x, source, source, mask)
+
+
+def pad_mask(pad):
+    """(B, S) True at padding -> the attention mask (B, 1, 1, S), True where keys may be seen."""
+    return ~pad[:, None, None, :]
 
 
 @pytest.mark.parametrize("self_attention", [True, False])
@@ -47,8 +39,8 @@ def test_attention_weights_equal_the_seed_formula_and_sum_to_one():
     attn = MultiHeadedAttention(4, 32, self_attention=False).eval()
     x, memory = torch.randn(2, 3, 32), torch.randn(2, 6, 32)
     pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
-    out, weights = attn(x, memory, key_padding_mask=pad, need_weights=True)
-    expected, p = seed_formula(x, memory, attn, mask=(~pad)[:, None, None, :])
+    out, weights = attn(x, memory, mask=pad_mask(pad), need_weights=True)
+    expected, p = seed_formula(x, memory, attn, mask=(~pad)[:, None, :])
     assert torch.allclose(out, expected, atol=1e-5)
     assert torch.allclose(weights, p, atol=1e-6)
     assert torch.allclose(weights.sum(-1), torch.ones(2, 4, 3))
@@ -61,20 +53,18 @@ def test_padding_mask_hides_padded_keys():
     x, memory = torch.randn(2, 3, 32), torch.randn(2, 6, 32)
     pad = torch.zeros(2, 6, dtype=torch.bool)
     pad[1, 3:] = True
-    out1, _ = attn(x, memory, key_padding_mask=pad)
+    out1, _ = attn(x, memory, mask=pad_mask(pad))
     memory2 = memory.clone()
     memory2[1, 3:] = 100 * torch.randn(3, 32)
-    out2, _ = attn(x, memory2, key_padding_mask=pad)
+    out2, _ = attn(x, memory2, mask=pad_mask(pad))
     assert torch.allclose(out1, out2, atol=1e-6)
     memory2[0, 3:] += 1.0  # an unmasked change does change the output
-    out3, _ = attn(x, memory2, key_padding_mask=pad)
+    out3, _ = attn(x, memory2, mask=pad_mask(pad))
     assert not torch.allclose(out1[0], out3[0], atol=1e-3)
 
 
 def test_causal_mask_is_the_seeds_subsequent_mask():
-    # the seed: subsequent_mask(size) = triu(ones, diagonal=1) == 0
-    seed = torch.triu(torch.ones(5, 5), diagonal=1) == 0
-    assert torch.equal(causal_mask(5, 5, "cpu"), seed)
+    assert torch.equal(causal_mask(5, 5, "cpu"), reference.subsequent_mask(5)[0])
     # with 3 cached positions, 2 new queries see everything up to themselves
     assert causal_mask(2, 5, "cpu").tolist() == [[True] * 4 + [False], [True] * 5]
 
@@ -88,7 +78,7 @@ def test_causal_self_attention_ignores_future_positions():
     out2, _ = attn(x2, causal=True)
     assert torch.allclose(out1[:, :4], out2[:, :4], atol=1e-6)
     assert not torch.allclose(out1[:, 4:], out2[:, 4:], atol=1e-3)
-    expected, _ = seed_formula(x, x, attn, mask=causal_mask(6, 6, "cpu"))
+    expected, _ = seed_formula(x, x, attn, mask=reference.subsequent_mask(6))
     assert torch.allclose(out1, expected, atol=1e-5)
 
 
@@ -97,7 +87,7 @@ def test_fully_padded_row_gives_zeros_not_nan(need_weights):
     attn = MultiHeadedAttention(4, 32, self_attention=False).eval()
     x, memory = torch.randn(2, 3, 32), torch.randn(2, 4, 32)
     pad = torch.tensor([[False] * 4, [True] * 4])
-    out, weights = attn(x, memory, key_padding_mask=pad, need_weights=need_weights)
+    out, weights = attn(x, memory, mask=pad_mask(pad), need_weights=need_weights)
     assert not torch.isnan(out).any()
     # nothing to attend to: the attention result is zero, so only W^O's bias remains
     assert torch.allclose(out[1], attn.out_proj.bias.expand(3, 32), atol=1e-6)
@@ -112,9 +102,9 @@ def test_fully_padded_row_zeroed_also_on_torch_without_it(monkeypatch):
     attn = MultiHeadedAttention(4, 32, self_attention=False).eval()
     x, memory = torch.randn(2, 3, 32), torch.randn(2, 4, 32)
     pad = torch.tensor([[False, False, True, True], [True] * 4])
-    expected, _ = attn(x, memory, key_padding_mask=pad)
+    expected, _ = attn(x, memory, mask=pad_mask(pad))
     monkeypatch.setattr(attention_module, "_SDPA_ZEROES_EMPTY_ROWS", False)
-    out, _ = attn(x, memory, key_padding_mask=pad)
+    out, _ = attn(x, memory, mask=pad_mask(pad))
     assert torch.allclose(out, expected, atol=1e-6)
 
 
@@ -126,9 +116,9 @@ def test_half_precision_gives_no_inf_and_stays_close_to_fp32(dtype, need_weights
     pad = torch.zeros(2, 7, dtype=torch.bool)
     pad[0, 4:] = True
     pad[1, :] = True  # a fully padded row too
-    ref, _ = attn(x, memory, key_padding_mask=pad, need_weights=need_weights)
+    ref, _ = attn(x, memory, mask=pad_mask(pad), need_weights=need_weights)
     half = attn.to(dtype)
-    out, weights = half(x.to(dtype), memory.to(dtype), key_padding_mask=pad,
+    out, weights = half(x.to(dtype), memory.to(dtype), mask=pad_mask(pad),
                         need_weights=need_weights)
     assert torch.isfinite(out).all()
     if weights is not None:
@@ -140,3 +130,48 @@ def test_half_precision_gives_no_inf_and_stays_close_to_fp32(dtype, need_weights
 def test_heads_must_divide_d_model():
     with pytest.raises(PluginError, match="not divisible"):
         MultiHeadedAttention(3, 32)
+
+
+def test_kernel_choice_gives_each_reason_its_kernel():
+    assert choose_kernel(need_weights=True, decoding=False, device_type="cuda") == EXPLICIT
+    assert choose_kernel(need_weights=False, decoding=True, device_type="cpu") == EXPLICIT
+    assert choose_kernel(need_weights=False, decoding=True, device_type="cuda") == FUSED
+    assert choose_kernel(need_weights=False, decoding=False, device_type="cpu") == FUSED
+    assert choose_kernel(False, True, "cpu", forced=FUSED) == FUSED
+    assert choose_kernel(True, False, "cpu", forced=FUSED) == EXPLICIT  # weights need the formula
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_fused_and_written_out_kernels_agree_with_masks(causal, padded):
+    attn = MultiHeadedAttention(4, 32, self_attention=True).eval()
+    x = torch.randn(3, 6, 32)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    pad[2, :2] = True  # left padding
+    mask = pad_mask(pad) if padded else None
+    results = {}
+    for kernel in (FUSED, EXPLICIT):
+        attn.kernel = kernel
+        results[kernel] = attn(x, mask=mask, causal=causal)[0]
+    expected, _ = seed_formula(x, x, attn, mask=None if not (causal or padded) else (
+        (reference.subsequent_mask(6) if causal else True) & ((~pad)[:, None, :] if padded else True)))
+    real = ~pad if padded else torch.ones(3, 6, dtype=torch.bool)
+    if causal and padded:
+        real[2, :2] = False  # a left-padded query sees nothing: zeros here, not the notebook's
+    for out in results.values():
+        assert torch.allclose(out[real], expected[real], atol=1e-5)
+    assert torch.allclose(results[FUSED], results[EXPLICIT], atol=1e-5)
+
+
+def test_separate_widths_initialise_each_projection_as_its_own_glorot_matrix():
+    """Encoder width 128, decoder width 96: W^K and W^V of the source attention are 96 x 128."""
+    torch.manual_seed(0)
+    attn = MultiHeadedAttention(4, 96, self_attention=False, memory_dim=128)
+    w_k, w_v = attn.kv_proj.weight.split(96, dim=0)
+    bound = math.sqrt(6.0 / (96 + 128))  # Glorot uniform for a 96 x 128 matrix
+    for w in (w_k, w_v):
+        assert w.shape == (96, 128)
+        assert w.abs().max() <= bound and w.abs().max() > 0.95 * bound
+    q_bound = math.sqrt(6.0 / (96 + 96))
+    assert q_bound * 0.95 < attn.q_proj.weight.abs().max() <= q_bound

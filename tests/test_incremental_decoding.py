@@ -5,9 +5,10 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build_tiny_model, make_dictionary, random_tokens
-from fairseq_plugin.modules.attention import MultiHeadedAttention, attention_reference, group_size
-from fairseq_plugin.modules.history import SelfAttentionHistory
-from fairseq_plugin.recomputing import without_cache
+from fairseq_plugin.modules.attention import FUSED, MultiHeadedAttention, attention_reference
+from fairseq_plugin.modules.cache import BeamReorder, SelfAttentionCache, kept_groups, repeats_rows
+from fairseq_plugin.reference import greedy_decode
+from fairseq_plugin.testing.recomputing import cached_rows, without_cache
 
 
 def padded_sources(d, lengths, left_pad):
@@ -66,13 +67,18 @@ def test_padding_side_does_not_change_a_sentences_encoding():
     assert (out_left - out_right).abs().max() <= 1e-5
 
 
-def test_cache_follows_beam_reorders_and_a_shrinking_batch():
+@pytest.mark.parametrize("beam_size_told", [True, False])
+def test_cache_follows_beam_reorders_and_a_shrinking_batch(beam_size_told):
     """Beam-search semantics: reorders within each sentence's group of hypotheses, then a
-    sentence finishes and the batch shrinks; the cached logits still equal a full pass."""
+    sentence finishes and the batch shrinks; the cached logits still equal a full pass, with the
+    hypotheses grouped (the model told the beam size, as SequenceGenerator does) or not."""
     d = make_dictionary()
     model = build_tiny_model(d)
     g = torch.Generator().manual_seed(1)
     bsz, beam = 3, 4
+    model.decoder.make_generation_fast_(need_attn=False)  # as fairseq-generate does
+    if beam_size_told:
+        model.set_beam_size(beam)
     src, lengths = padded_sources(d, [5, 8, 3], left_pad=True)
     with torch.no_grad():
         encoder_out = model.encoder(src, lengths)
@@ -100,6 +106,8 @@ def test_cache_follows_beam_reorders_and_a_shrinking_batch():
         fresh = model.encoder(src[active].repeat_interleave(beam, 0),
                               lengths[active].repeat_interleave(beam))
         full = model.decoder(tokens, encoder_out=fresh)[0]
+        groups = {m.cache(state).group for m in model.decoder.attentions()}
+    assert groups == ({beam} if beam_size_told else {1})
     assert tokens.size(0) == 2 * beam
     assert (last_cached[:, -1] - full[:, -1]).abs().max() <= 1e-4
 
@@ -113,10 +121,10 @@ def test_each_cache_is_reordered_exactly_once():
         encoder_out = model.encoder(src, lengths)
         _, state = step_by_step(model, encoder_out, tgt)
         attentions = [m for m in model.decoder.modules() if isinstance(m, MultiHeadedAttention)]
-        before = [m.cached_keys_values(state) for m in attentions]
+        before = [cached_rows(m, state) for m in attentions]
         new_order = torch.tensor([1, 0])  # rows from different sentences: everything must move
         model.decoder.reorder_incremental_state_scripting(state, new_order)
-        after = [m.cached_keys_values(state) for m in attentions]
+        after = [cached_rows(m, state) for m in attentions]
     assert len(attentions) == 4  # 2 decoder layers x (self, source)
     for (k0, v0), (k1, v1) in zip(before, after):
         assert torch.equal(k1, k0.index_select(0, new_order))
@@ -152,19 +160,43 @@ def test_sequence_generator_beam4_gives_the_same_hypotheses_with_and_without_cac
     assert len({tuple(h["tokens"].tolist()) for h in cached[0]}) > 1
 
 
-def test_group_size_finds_beam_search_runs_of_one_sentence():
-    assert group_size(torch.tensor([0, 0, 0, 1, 1, 1, 4, 4, 4])) == 3
-    assert group_size(torch.tensor([2, 2, 2])) == 3
-    assert group_size(torch.tensor([0, 0, 1])) == 1  # unequal runs
-    assert group_size(torch.tensor([0, 1, 0, 1])) == 1  # not grouped
-    assert group_size(torch.tensor([0, 0, 1, 1, 1, 1])) == 2  # a sentence may fill two groups
-    assert group_size(torch.tensor([7])) == 1
+def test_reorders_are_classified_by_whether_rows_stay_in_their_groups():
+    assert kept_groups(torch.tensor([1, 0, 2, 5, 3, 3]), 3).tolist() == [0, 1]
+    assert kept_groups(torch.tensor([1, 0, 2, 2, 5, 3]), 3) is None
+    assert kept_groups(torch.tensor([3, 2, 2, 3]), 2).tolist() == [1, 1]
+    assert kept_groups(torch.tensor([3, 0]), 2) is None  # row 1 takes another group's row
+    assert kept_groups(torch.tensor([0, 1, 2]), 2) is None  # not whole groups
+    assert kept_groups(torch.tensor([2, 0]), 1).tolist() == [2, 0]  # each row its own group
+    assert repeats_rows(torch.tensor([0, 0, 0, 1, 1, 1]), 3)
+    assert not repeats_rows(torch.tensor([0, 0, 1, 1, 1, 1]), 3)
+    assert not repeats_rows(torch.tensor([0, 1, 2, 3]), 2)
+
+
+def test_a_stale_beam_size_does_not_group_different_sentences():
+    """fairseq never resets the beam size: a greedy run after a beam run must not treat distinct
+    sentences as one sentence's hypotheses."""
+    d = make_dictionary(40)
+    model = build_tiny_model(d)
+    src, lengths = padded_sources(d, [6, 9, 4, 7], left_pad=True)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
+
+    def greedy():
+        gen = SequenceGenerator([model], d, beam_size=1, max_len_b=10)
+        with torch.no_grad():
+            return [h[0]["tokens"].tolist() for h in gen.generate([model], sample)]
+
+    fresh = greedy()
+    SequenceGenerator([model], d, beam_size=2)  # tells the model beam size 2, like fairseq
+    assert model.encoder.beam_size == 2
+    assert greedy() == fresh
 
 
 def test_source_keys_and_values_are_kept_once_per_sentence_and_not_copied_within_groups():
     d = make_dictionary()
     model = build_tiny_model(d)
     bsz, beam = 3, 4
+    model.set_beam_size(beam)
+    model.decoder.make_generation_fast_(need_attn=False)  # as fairseq-generate does
     src, lengths = padded_sources(d, [5, 8, 3], left_pad=True)
     src_attns = [layer.src_attn for layer in model.decoder.layers]
     with torch.no_grad():
@@ -174,29 +206,28 @@ def test_source_keys_and_values_are_kept_once_per_sentence_and_not_copied_within
         tokens = torch.full((bsz * beam, 1), d.eos())
         state = {}
         model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)
-        cached = [m.get_incremental_state(state, "kv")["k"] for m in src_attns]
+        cached = [m.cache(state).k for m in src_attns]
         assert all(k.size(0) == bsz for k in cached)  # one row per sentence, not per hypothesis
         within = (torch.arange(bsz)[:, None] * beam + torch.tensor([3, 3, 0, 1])).view(-1)
         model.decoder.reorder_incremental_state_scripting(state, within)
         assert model.encoder.reorder_encoder_out(encoder_out, within) is encoder_out
-        assert all(m.get_incremental_state(state, "kv")["k"] is k
-                   for m, k in zip(src_attns, cached))
+        assert all(m.cache(state).k is k for m, k in zip(src_attns, cached))
         # sentence 1 finishes: the rows of sentences 0 and 2 remain
         shrink = torch.cat([torch.arange(beam), 2 * beam + torch.arange(beam)])
         model.decoder.reorder_incremental_state_scripting(state, shrink)
         for m, k in zip(src_attns, cached):
-            assert torch.equal(m.get_incremental_state(state, "kv")["k"], k[[0, 2]])
-            keys, _ = m.cached_keys_values(state)
+            assert torch.equal(m.cache(state).k, k[[0, 2]])
+            keys, _ = cached_rows(m, state)
             assert torch.equal(keys, k[[0, 2]].repeat_interleave(beam, 0))
 
 
 def naive_history_test_steps(group, steps, cross_group_at=None, shrink_at=None, seed=0):
-    """Append random steps to a SelfAttentionHistory and to plain per-row lists, reordering
+    """Append random steps to a SelfAttentionCache and to plain per-row tensors, reordering
     both as beam search does; returns (history, reference keys (B, h, t, d_k), values)."""
     g = torch.Generator().manual_seed(seed)
     sentences, h, d_k = 3, 2, 4
     B = sentences * group
-    history = SelfAttentionHistory(group)
+    history = SelfAttentionCache(group)
     ref_k = torch.zeros(B, h, 0, d_k)
     ref_v = torch.zeros(B, h, 0, d_k)
     for step in range(steps):
@@ -211,7 +242,7 @@ def naive_history_test_steps(group, steps, cross_group_at=None, shrink_at=None, 
         if step == shrink_at and n > 1:  # the middle sentence finishes
             new_order = torch.cat([new_order[:group], new_order[2 * group:]])
             B -= group
-        history.reorder(new_order)
+        history.reorder(BeamReorder(new_order))
         ref_k, ref_v = ref_k.index_select(0, new_order), ref_v.index_select(0, new_order)
     return history, ref_k, ref_v
 
@@ -227,7 +258,7 @@ def test_history_rows_equal_per_row_histories_through_reorders_growth_and_shrink
 def test_history_reorder_within_groups_moves_no_keys():
     history, _, _ = naive_history_test_steps(4, steps=5)
     keys = history.k.data_ptr()
-    history.reorder(torch.tensor([3, 3, 0, 1, 4, 5, 6, 7, 11, 8, 8, 8]))
+    history.reorder(BeamReorder(torch.tensor([3, 3, 0, 1, 4, 5, 6, 7, 11, 8, 8, 8])))
     assert history.k.data_ptr() == keys and history.group == 4
     history.append(torch.zeros(12, 2, 1, 4), torch.zeros(12, 2, 1, 4))
     assert history.k.data_ptr() == keys  # the new step is written in place
@@ -247,6 +278,48 @@ def test_grouped_history_attention_equals_attention_over_each_rows_own_history()
     k, v, bias = history.keys_values()  # (3, 2, 28, 4), mask (3, 1, 4, 28)
     q = torch.randn(12, 2, 1, 4)
     grouped = q.view(3, 4, 2, 4).transpose(1, 2)  # the 4 queries of each group together
-    out, _ = attention_reference(grouped, k, v, bias=bias)
+    out, _ = attention_reference(grouped, k, v, bias)
     expected, _ = attention_reference(q, ref_k, ref_v)
     assert torch.allclose(out.transpose(1, 2).reshape(12, 2, 1, 4), expected, atol=1e-6)
+
+
+def test_cached_greedy_decoding_equals_the_notebooks_greedy_decode():
+    """The reference greedy decoding (whole prefix re-run at every step) is the oracle."""
+    d = make_dictionary(40)
+    model = build_tiny_model(d)
+    with torch.no_grad():
+        model.decoder.generator.proj.weight.mul_(4.0)
+    src, lengths = padded_sources(d, [6, 9, 4], left_pad=True)
+    expected = greedy_decode(model, src, lengths, max_len=8)
+    with torch.no_grad():
+        encoder_out, state = model.encoder(src, lengths), {}
+        ys = torch.full((3, 1), d.eos())
+        for _ in range(8):
+            logits = model.decoder(ys, encoder_out=encoder_out, incremental_state=state)[0]
+            ys = torch.cat([ys, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(ys[:, 1:], expected)
+    assert len(set(map(tuple, expected.tolist()))) > 1
+
+
+def test_fused_kernel_in_decoding_steps_equals_the_written_out_formula():
+    """On CUDA decoding steps use the fused kernel; forced here on the CPU, with grouped beams."""
+    d = make_dictionary(40)
+    model = build_tiny_model(d)
+    with torch.no_grad():
+        model.decoder.generator.proj.weight.mul_(4.0)
+    src, lengths = padded_sources(d, [6, 9, 4, 7, 2], left_pad=True)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
+
+    def beam4():
+        gen = SequenceGenerator([model], d, beam_size=4, max_len_b=12)
+        with torch.no_grad():
+            return gen.generate([model], sample)
+
+    explicit = beam4()
+    for m in model.decoder.attentions():
+        m.kernel = FUSED
+    fused = beam4()
+    for hyps_a, hyps_b in zip(explicit, fused):
+        for a, b in zip(hyps_a, hyps_b):
+            assert torch.equal(a["tokens"], b["tokens"])
+            assert abs(float(a["score"]) - float(b["score"])) <= 1e-4

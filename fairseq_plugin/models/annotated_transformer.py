@@ -22,7 +22,8 @@ from fairseq.models import (
 from torch import Tensor, nn
 
 from ..errors import PluginError
-from ..modules.attention import MultiHeadedAttention
+from ..modules.attention import IncrementalState, MultiHeadedAttention
+from ..modules.cache import BeamReorder, is_identity, kept_groups, repeats_rows
 from ..modules.embeddings import (
     EmbeddingLayer,
     Embeddings,
@@ -32,7 +33,7 @@ from ..modules.embeddings import (
     positions_of,
 )
 from ..modules.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
-from ..modules.packing import Packing
+from ..modules.packing import real_positions
 
 DEFAULT_MAX_POSITIONS = 1024
 
@@ -69,16 +70,20 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
                 args.dropout, args.encoder_normalize_before)
             for _ in range(args.encoder_layers)])
         self.norm = nn.LayerNorm(d) if args.encoder_normalize_before else None
+        self.skip_padding = True  # feed-forward sub-layers on real tokens only (packing.py)
+        self.beam_size = 1  # set by fairseq's SequenceGenerator, through the model
 
     def forward(self, src_tokens: Tensor, src_lengths: Optional[Tensor] = None,
                 return_all_hiddens: bool = False, **unused):
         """src_tokens (B, S) -> {"encoder_out": [(B, S, d)], "encoder_padding_mask": [(B, S)], ...}"""
         padding_mask = src_tokens.eq(self.padding_idx)  # (B, S), True at padding
-        mask = padding_mask if padding_mask.any() else None
+        mask = ~padding_mask[:, None, None, :] if padding_mask.any() else None  # (B, 1, 1, S)
+        packing = real_positions(padding_mask, self.skip_padding)
         x = self.embed(src_tokens, positions_of(src_tokens, self.padding_idx))
         states = [x] if return_all_hiddens else []
         for layer in self.layers:
-            x = layer(x, mask)
+            x = layer.attention_sublayer(x, mask)
+            x = packing.positionwise(layer.feed_forward_sublayer, x)
             if return_all_hiddens:
                 states.append(x)
         if self.norm is not None:
@@ -87,35 +92,47 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
             "encoder_out": [x],  # (B, S, d): batch-first, unlike fairseq's transformer
             "encoder_padding_mask": [padding_mask],
             "encoder_states": states,
-            # the source sentence each row holds; beam search repeats rows (see attention.py)
-            "sentence_ids": [torch.arange(src_tokens.size(0), device=src_tokens.device)],
             "src_lengths": [src_lengths] if src_lengths is not None else [],
+            "beam_group": [],  # see reorder_encoder_out
         }
 
     @torch.jit.unused
     def reorder_encoder_out(self, encoder_out: Dict[str, List[Tensor]], new_order: Tensor):
-        """Row i of the result is row new_order[i] of encoder_out (beam expansion, finished
-        sentences leaving the batch).
+        """Row i of the result is row new_order[i] of encoder_out.
 
-        Rows that hold the same sentence are identical, so when every row keeps its sentence
-        (beam search reorders hypotheses within a sentence, at every step) nothing is copied.
+        Beam search first repeats every sentence beam_size times, in consecutive rows: those rows
+        are copies, which ``"beam_group": [g]`` records. Its later reorders keep every hypothesis
+        in its sentence's group, so they change nothing here and copy nothing; when sentences
+        finish, their groups are dropped.
         """
-        ids = encoder_out.get("sentence_ids")
-        if ids:
-            if torch.equal(ids[0].index_select(0, new_order), ids[0]):
-                return encoder_out
-        return {key: [t.index_select(0, new_order) for t in value]
-                for key, value in encoder_out.items()}
+        group = beam_group(encoder_out)
+        kept = kept_groups(new_order, group)
+        if kept is not None and is_identity(kept, encoder_out["encoder_out"][0].size(0) // group):
+            return encoder_out
+        reordered = {key: [t.index_select(0, new_order) for t in value]
+                     for key, value in encoder_out.items() if key != "beam_group"}
+        if kept is None or group == 1:
+            group = self.beam_size if repeats_rows(new_order, self.beam_size) else 1
+        reordered["beam_group"] = [torch.tensor(group)] if group > 1 else []
+        return reordered
 
     def max_positions(self) -> int:
         return self.embed.max_positions
 
 
+def beam_group(encoder_out: Dict[str, List[Tensor]]) -> int:
+    """g when the rows of encoder_out come in groups of g copies of one sentence (beam search),
+    else 1."""
+    group = encoder_out.get("beam_group")
+    return int(group[0]) if group else 1
+
+
 class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
     """"The decoder is also composed of a stack of N identical layers." (section 3.1)
 
-    With fairseq's ``incremental_state`` it decodes one token per call, reusing cached keys and
-    values, as beam search does; without it, it runs teacher-forced over the whole prefix.
+    With fairseq's ``incremental_state`` it decodes one token per call, reusing the keys and
+    values its attention modules cache (modules/cache.py), as beam search does; without it, it
+    runs teacher-forced over the whole prefix.
     """
 
     def __init__(self, args, dictionary, embeddings: Embeddings, output_weight=None):
@@ -138,6 +155,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
             for _ in range(args.decoder_layers)])
         self.norm = nn.LayerNorm(d) if args.decoder_normalize_before else None
         self.generator = Generator(d, len(dictionary), output_weight)
+        self.skip_padding = True  # feed-forward sub-layers on real tokens only (packing.py)
         # return the source attention outside training (fairseq-generate turns it off unless
         # --print-alignment, through make_generation_fast_)
         self.need_attn = True
@@ -146,7 +164,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         self,
         prev_output_tokens: Tensor,
         encoder_out: Optional[Dict[str, List[Tensor]]] = None,
-        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        incremental_state: Optional[IncrementalState] = None,
         features_only: bool = False,
         alignment_layer: Optional[int] = None,
         alignment_heads: Optional[int] = None,
@@ -167,37 +185,32 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         """(B, T, d) features before the generator, and {"attn", "inner_states"}."""
         positions = positions_of(prev_output_tokens, self.padding_idx)
         if incremental_state is not None:  # only the newest token is new
-            prev_output_tokens = prev_output_tokens[:, -1:]
-            positions = positions[:, -1:]
-        x = self.embed(prev_output_tokens, positions)  # (B, T, d)
-        packing, self_attn_padding_mask = None, None
-        if incremental_state is None:
-            real = prev_output_tokens.ne(self.padding_idx)  # (B, T)
-            if not bool(real.all()):
-                # position-wise work only on real tokens: x (B, T, d) -> (N, d)
-                packing = Packing(real)
-                x = packing.pack(x)
-                if bool((~real[:, :-1] & real[:, 1:]).any()):  # left padding: hide it
-                    self_attn_padding_mask = ~real
+            prev_output_tokens, positions = prev_output_tokens[:, -1:], positions[:, -1:]
+            if self.layers[0].self_attn.cache(incremental_state) is None:  # the first step
+                self.start_caches(incremental_state, beam_group(encoder_out))
+
+        # masks, True where a query may attend: the source's real tokens; target padding only
+        # where it stands before real tokens (left padding: the causal mask hides the rest)
+        src_padding = encoder_out["encoder_padding_mask"][0]  # (B, S)
+        src_mask = ~src_padding[:, None, None, :] if src_padding.any() else None
+        tgt_padding = prev_output_tokens.eq(self.padding_idx)  # (B, T)
+        left_padded = bool((tgt_padding[:, :-1] & ~tgt_padding[:, 1:]).any())
+        tgt_mask = ~tgt_padding[:, None, None, :] if left_padded else None
+        packing = real_positions(tgt_padding, self.skip_padding and incremental_state is None)
 
         memory = encoder_out["encoder_out"][0]  # (B, S, d_enc)
-        memory_padding_mask = encoder_out["encoder_padding_mask"][0]
-        if not memory_padding_mask.any():
-            memory_padding_mask = None
-        memory_ids = encoder_out["sentence_ids"][0] if encoder_out.get("sentence_ids") else None
-
         want_attn = alignment_layer is not None or (self.need_attn and not self.training)
         if alignment_layer is None:
             alignment_layer = len(self.layers) - 1
-        attn = None
-        inner_states = [x]
+        x = self.embed(prev_output_tokens, positions)  # (B, T, d)
+        attn, inner_states = None, [x]
         for i, layer in enumerate(self.layers):
-            x, layer_attn = layer(x, memory, memory_padding_mask, incremental_state,
-                                  need_attn=want_attn and i == alignment_layer,
-                                  memory_ids=memory_ids, packing=packing,
-                                  self_attn_padding_mask=self_attn_padding_mask)
+            x, layer_attn = layer.attention_sublayers(
+                x, memory, tgt_mask, src_mask, incremental_state,
+                need_attn=want_attn and i == alignment_layer)
+            x = packing.positionwise(layer.feed_forward_sublayer, x)
             inner_states.append(x)
-            if layer_attn is not None:
+            if i == alignment_layer:
                 attn = layer_attn
         if attn is not None:  # (B, h, T, S) -> (B, T, S)
             if alignment_heads is not None:
@@ -205,10 +218,6 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
             attn = attn.mean(dim=1)
         if self.norm is not None:
             x = self.norm(x)
-        if packing is not None:  # back to (B, T, d), zeros at padding
-            # (the generator then runs on padding too: unpacking (N, V) logits costs more)
-            x = packing.unpack(x)
-            inner_states = [packing.unpack(s) for s in inner_states]
         return x, {"attn": [attn], "inner_states": inner_states}
 
     def output_layer(self, features: Tensor) -> Tensor:
@@ -219,6 +228,23 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
 
     def make_generation_fast_(self, need_attn: bool = False, **unused):
         self.need_attn = need_attn
+
+    def attentions(self) -> List[MultiHeadedAttention]:
+        return [m for layer in self.layers for m in (layer.self_attn, layer.src_attn)]
+
+    def start_caches(self, incremental_state: IncrementalState, group: int) -> None:
+        """Empty caches for every attention module; ``group`` rows of one sentence (the beam)
+        share them when the encoder output holds its sentences in groups of copies."""
+        for attention in self.attentions():
+            attention.start_cache(incremental_state, group)
+
+    def reorder_incremental_state_scripting(self, incremental_state: IncrementalState,
+                                            new_order: Tensor) -> None:
+        """Beam search's reorder, once per step: worked out once (BeamReorder), then followed by
+        every cache. (Replaces fairseq's walk over every submodule.)"""
+        reorder = BeamReorder(new_order)
+        for attention in self.attentions():
+            attention.reorder_cache(incremental_state, reorder)
 
 
 @register_model("annotated_transformer")
@@ -301,20 +327,21 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         check_compatible(self.state_dict(), state_dict)
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
-    def init_parameters_(self):
-        """The notebook's initialisation: Glorot / fan_avg uniform for every matrix.
+    def set_beam_size(self, beam_size: int) -> None:
+        """fairseq's SequenceGenerator calls this (only for beam > 1, and never to reset it): the
+        encoder then records when beam search repeats each sentence beam_size times, and the
+        decoder's caches keep each sentence's keys and values once (modules/cache.py)."""
+        self.encoder.beam_size = beam_size
 
-        Fused projections are initialised block by block, as the separate matrices W^Q, W^K,
-        W^V of the notebook would be. Padding embeddings stay zero.
-        """
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue
-            d_in = p.size(1)
-            blocks = p.size(0) // d_in if name.endswith(("qkv_proj.weight", "kv_proj.weight")) else 1
-            with torch.no_grad():
-                for block in p.view(blocks, -1, d_in):
-                    nn.init.xavier_uniform_(block)
+    def init_parameters_(self):
+        """The notebook's make_model: Glorot / fan_avg uniform for every matrix. Attention modules
+        initialise their own W^Q, W^K, W^V, W^O (each matrix on its own, also where they are
+        stored side by side). Padding embeddings stay zero."""
+        attention = {id(p) for m in self.modules() if isinstance(m, MultiHeadedAttention)
+                     for p in m.parameters()}
+        for p in self.parameters():
+            if p.dim() > 1 and id(p) not in attention:
+                nn.init.xavier_uniform_(p)
         for module in self.modules():
             if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                 with torch.no_grad():

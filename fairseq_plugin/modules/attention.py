@@ -1,4 +1,4 @@
-"""Multi-head attention, as in the Annotated Transformer, with fairseq's incremental state.
+"""Multi-head attention, as in the Annotated Transformer, with a cache for incremental decoding.
 
 "An attention function can be described as mapping a query and a set of key-value pairs to an
 output ... We compute the matrix of outputs as Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V."
@@ -8,12 +8,14 @@ output ... We compute the matrix of outputs as Attention(Q, K, V) = softmax(Q K^
 representation subspaces at different positions." MultiHead(Q, K, V) = Concat(head_1..head_h) W^O
 (section 3.2.2)
 
-Shapes: B batch, T query length, S key length, h heads, d_k = d_model / h.
+The plain notebook version is ``fairseq_plugin.reference.MultiHeadedAttention``; this one adds
+fused projections, a fused attention kernel and the decoding cache (cache.py), and is tested
+against it. Shapes: B batch, T query length, S key length, h heads, d_k = d_model / h.
 """
 
 import contextlib
 import math
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -21,79 +23,95 @@ from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor, nn
 
 from ..errors import PluginError
-from .history import SelfAttentionHistory
-from .packing import Packing
+from .cache import BeamReorder, KeyValueCache, SelfAttentionCache, SourceAttentionCache
 
-# Since torch 2.5, scaled_dot_product_attention returns zeros for a query whose mask allows no
-# key; older versions return NaN there, so we zero such rows ourselves.
+# Since torch 2.5, scaled_dot_product_attention returns zeros for a query whose boolean mask allows
+# no key; older versions return NaN there, so we zero such rows ourselves.
 _SDPA_ZEROES_EMPTY_ROWS = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+FUSED, EXPLICIT = "fused", "explicit"
+
+# fairseq's incremental_state: one dict for the whole decoder; this plugin's entries are caches
+IncrementalState = Dict[str, Any]
 
 
 def check_heads_divide(d_model: int, heads: int, flag_prefix: str) -> None:
     """d_k = d_model / h must be a whole number."""
     if heads <= 0 or d_model % heads != 0:
+        divisor = max((h for h in range(1, max(heads, 1) + 1) if d_model % h == 0), default=1)
         raise PluginError(
             f"--{flag_prefix}-embed-dim {d_model} is not divisible by "
             f"--{flag_prefix}-attention-heads {heads}; choose a number of heads that divides "
-            f"the model dimension (e.g. {_a_divisor(d_model, heads)})"
-        )
-
-
-def _a_divisor(d_model: int, heads: int) -> int:
-    return max((h for h in range(1, max(heads, 1) + 1) if d_model % h == 0), default=1)
-
-
-def attention_reference(query, key, value, mask=None, dropout=None, bias=None):
-    """The seed's formula written out: softmax(Q K^T / sqrt(d_k)) V with masked scores.
-
-    query (B, h, T, d_k), key/value (B, h, S, d_k), mask broadcastable to (B, h, T, S) with
-    True where a query may attend, or bias, added to the scores (0 or -inf). Scores are computed
-    in fp32 and masked with -inf (not -1e9, which overflows fp16); a row with nothing to attend
-    to gets all-zero weights.
-    Returns output (B, h, T, d_k) in the input dtype and weights (B, h, T, S) in fp32.
-    """
-    d_k = query.size(-1)
-    scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) / math.sqrt(d_k)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if bias is not None:
-        scores += bias
-    p_attn = scores.softmax(dim=-1).nan_to_num(0.0)  # fully masked row: NaN -> 0
-    p_used = dropout(p_attn) if dropout is not None else p_attn
-    return torch.matmul(p_used.to(value.dtype), value), p_attn
-
-
-def group_size(ids: Tensor) -> int:
-    """g when ``ids`` is made of runs of g equal values, as beam search lays out the hypotheses
-    of each sentence (B * beam rows, sentence by sentence); otherwise 1."""
-    n = ids.numel()
-    differs = (ids != ids[0]).nonzero()
-    g = int(differs[0]) if differs.numel() else n
-    if g <= 1 or n % g:
-        return 1
-    runs = ids.view(-1, g)
-    return g if bool((runs == runs[:, :1]).all()) else 1
+            f"the model dimension (e.g. {divisor})")
 
 
 def causal_mask(query_len: int, key_len: int, device) -> Tensor:
     """(T, S) boolean, True where query i may attend to key j: j <= i + (S - T).
 
     "We ... modify the self-attention sub-layer in the decoder stack to prevent positions from
-    attending to subsequent positions." (section 3.1) The offset S - T is the number of cached
-    earlier positions during incremental decoding.
+    attending to subsequent positions." (section 3.1) The offset S - T counts earlier positions
+    whose keys were cached.
     """
     return torch.ones(query_len, key_len, dtype=torch.bool, device=device).tril(key_len - query_len)
+
+
+def attention_reference(query, key, value, mask=None, dropout=None):
+    """softmax(Q K^T / sqrt(d_k)) V written out, also returning the weights.
+
+    query (B, h, T, d_k), key/value (B, h, S, d_k); mask broadcastable to (B, h, T, S): boolean,
+    True where a query may attend, or additive (0 / -inf). Scores are computed in fp32 and masked
+    with -inf (not the notebook's -1e9, which overflows fp16); a row with nothing to attend to gets
+    all-zero weights. Returns output (B, h, T, d_k) in the input dtype and weights in fp32.
+    """
+    d_k = query.size(-1)
+    scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) / math.sqrt(d_k)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    p_attn = scores.softmax(dim=-1).nan_to_num(0.0)  # fully masked row: NaN -> 0
+    p_used = dropout(p_attn) if dropout is not None else p_attn
+    return torch.matmul(p_used.to(value.dtype), value), p_attn
+
+
+def choose_kernel(need_weights: bool, decoding: bool, device_type: str,
+                  forced: Optional[str] = None) -> str:
+    """The fused ``scaled_dot_product_attention`` unless a reason asks for the formula written out:
+    - only the written-out formula returns the weights (alignments, heat-maps);
+    - ``forced`` (a test choosing the branch another device would take);
+    - decoding on CPU: a step has a few queries per sentence, and for those the written-out
+      formula is faster than the fused CPU kernel (README, "Speed and memory")."""
+    if need_weights:
+        return EXPLICIT
+    if forced is not None:
+        return forced
+    if decoding and device_type == "cpu":
+        return EXPLICIT
+    return FUSED
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
+           dropout: nn.Module, kernel: str) -> Tuple[Tensor, Optional[Tensor]]:
+    """Attention(Q, K, V) with the chosen kernel: (B, h, T, d_k) and the weights (B, h, T, S) for
+    the explicit kernel. ``causal``: query i sees keys up to i (training, T = S)."""
+    if causal and (mask is not None or kernel == EXPLICIT):
+        causal_part = causal_mask(q.size(-2), k.size(-2), q.device)
+        mask, causal = (causal_part if mask is None else mask & causal_part), False
+    if kernel == EXPLICIT:
+        return attention_reference(q, k, v, mask, dropout)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                         dropout_p=dropout.p if dropout.training else 0.0)
+    if mask is not None and mask.dtype == torch.bool and not _SDPA_ZEROES_EMPTY_ROWS:
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return out, None
 
 
 @with_incremental_state
 class MultiHeadedAttention(nn.Module):
     """Multi-head attention over h heads of size d_k = d_model / h.
 
-    ``self_attention=True`` projects Q, K and V from one input with one fused matrix (the
-    concatenation of W^Q, W^K, W^V, as in nanoGPT's ``c_attn``); during incremental decoding it
-    caches K and V and appends one step at a time. Otherwise it is encoder-decoder attention:
-    "the queries come from the previous decoder layer, and the memory keys and values come from
-    the output of the encoder" (section 3.2.3); K and V are projected once per sentence and reused.
+    Self-attention projects Q, K and V from one input with one matrix, the concatenation
+    [W^Q; W^K; W^V] (one matrix product instead of three, as nanoGPT's ``c_attn``). Encoder-decoder
+    attention: "the queries come from the previous decoder layer, and the memory keys and values
+    come from the output of the encoder" (section 3.2.3), through W^Q and [W^K; W^V].
     """
 
     def __init__(self, heads: int, d_model: int, dropout: float = 0.0, self_attention: bool = True,
@@ -110,156 +128,99 @@ class MultiHeadedAttention(nn.Module):
             self.kv_proj = nn.Linear(memory_dim or d_model, 2 * d_model)  # [W^K; W^V]
         self.out_proj = nn.Linear(d_model, d_model)  # W^O
         self.dropout = nn.Dropout(dropout)  # on the attention probabilities
-        self.recorded: Optional[list] = None  # set to a list to keep every weight matrix
+        self.kernel: Optional[str] = None  # FUSED or EXPLICIT forces the kernel (tests)
+        self.reset_parameters()
 
-    def _heads(self, x: Tensor, n: int):
-        """(B, L, n * d_model) -> n tensors (B, h, L, d_k)."""
-        B, L, _ = x.shape
-        return x.view(B, L, n, self.h, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
+    def reset_parameters(self) -> None:
+        """Glorot / fan_avg uniform for each of W^Q, W^K, W^V, W^O on its own, as the notebook's
+        separate matrices (also inside the concatenations); biases keep nn.Linear's."""
+        projections = (self.qkv_proj,) if self.self_attention else (self.q_proj, self.kv_proj)
+        for proj in (*projections, self.out_proj):
+            for matrix in proj.weight.detach().split(self.h * self.d_k, dim=0):
+                nn.init.xavier_uniform_(matrix)
 
-    def forward(
-        self,
-        query: Tensor,
-        memory: Optional[Tensor] = None,
-        key_padding_mask: Optional[Tensor] = None,
-        causal: bool = False,
-        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
-        need_weights: bool = False,
-        memory_ids: Optional[Tensor] = None,
-        packing: Optional[Packing] = None,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
-        """query (B, T, d_model), or (N, d_model) packed by ``packing``; memory (B, S, d_model)
-        for encoder-decoder attention; key_padding_mask (B, S), True at padding; memory_ids (B,)
-        the sentence each row holds (lets beam search keep a sentence's K/V together, without
-        copies). Returns (B, T, d_model) (or (N, d_model) packed) and, if need_weights, the
-        attention weights (B, h, T, S)."""
-        B, T = packing.shape if packing is not None else query.shape[:2]
-        cache = (self.get_incremental_state(incremental_state, "kv")
-                 if incremental_state is not None else None)
-        group, bias = 1, None
-        if self.self_attention:
-            qkv = self.qkv_proj(query)
-            q, k, v = self._heads(packing.unpack(qkv) if packing is not None else qkv, 3)
-            if incremental_state is not None:
-                if cache is None:  # keep each sentence's hypotheses together (history.py)
-                    cache = SelfAttentionHistory(
-                        group_size(memory_ids) if memory_ids is not None and T == 1
-                        and key_padding_mask is None else 1)
-                    self.set_incremental_state(incremental_state, "kv", cache)
-                if need_weights or self.recorded is not None:
-                    cache.ungroup()  # weights over each row's own history
-                cache.append(k, v)
-                # (B / group, h, t * group, d_k) and the ancestry mask when group > 1
-                k, v, bias = cache.keys_values()
-                group = cache.group
-        else:
-            q = self.q_proj(query)
-            (q,) = self._heads(packing.unpack(q) if packing is not None else q, 1)
-            if cache is not None:  # static K/V: projected at the first step
-                k, v, group = cache["k"], cache["v"], cache["group"]
-            else:
-                # beam search repeats each sentence's memory `group` times: project it once
-                group = (group_size(memory_ids)
-                         if incremental_state is not None and memory_ids is not None else 1)
-                k, v = self._heads(self.kv_proj(memory[::group]), 2)  # (B / group, h, S, d_k)
-                if incremental_state is not None:
-                    k, v = k.contiguous(), v.contiguous()  # or matmul copies them every step
-                    ids = memory_ids if memory_ids is not None else torch.arange(
-                        B, device=query.device)
-                    self.set_incremental_state(
-                        incremental_state, "kv", {"k": k, "v": v, "ids": ids, "group": group})
-            if group > 1 and key_padding_mask is not None:
-                key_padding_mask = key_padding_mask[::group]
-        if group > 1:  # the group's queries attend together to their sentence's K/V
-            q = q.reshape(B // group, group, self.h, T, self.d_k).transpose(1, 2)
-            q = q.reshape(B // group, self.h, group * T, self.d_k)
-        S = k.size(2)
-
-        mask = None  # (B or 1, 1, T or 1, S), True = may attend
-        if key_padding_mask is not None:
-            mask = ~key_padding_mask[:, None, None, :]
-        use_is_causal = False
-        if causal and T > 1:
-            if mask is None and S == T:
-                use_is_causal = True
-            else:
-                cm = causal_mask(T, S, query.device)
-                mask = cm if mask is None else mask & cm
-
-        # The explicit formula gives the weights (alignments, heat-maps); it is also faster than
-        # the fused kernel for the few queries per sentence of incremental decoding on CPU
-        # (measured: 3.5 vs 10.5 ms for 850 hypotheses x 30 cached steps, d_model 256)
-        decoding_on_cpu = incremental_state is not None and query.device.type == "cpu"
-        if need_weights or self.recorded is not None or decoding_on_cpu:
-            if use_is_causal:
-                mask = causal_mask(T, S, query.device)
-            out, weights = attention_reference(q, k, v, mask, self.dropout, bias)
-            if not (need_weights or self.recorded is not None):
-                weights = None
-        else:
-            weights = None
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask if bias is None else bias, is_causal=use_is_causal,
-                dropout_p=self.dropout.p if self.training else 0.0)
-            if mask is not None and not _SDPA_ZEROES_EMPTY_ROWS:
-                out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
-        # "concatenated and once again projected" (B, h, T, d_k) -> (B, T, d_model); grouped
-        # cross-attention: (B / group, h, group * T, d_k) -> (B, T, d_model) alike
-        out = out.view(-1, self.h, B // out.size(0), T, self.d_k).permute(0, 2, 3, 1, 4)
-        out = out.reshape(B, T, self.h * self.d_k)
-        if packing is not None:
-            out = packing.pack(out)
+    def forward(self, query: Tensor, memory: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                causal: bool = False, incremental_state: Optional[IncrementalState] = None,
+                need_weights: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """query (B, T, d_model); memory (B, S, d_memory) for encoder-decoder attention, None for
+        self-attention; mask (B or 1, 1, T or 1, S), True where a query may attend; causal: hide
+        later positions (self-attention in training); incremental_state: fairseq's, holding this
+        module's cache while decoding. Returns (B, T, d_model) and, if need_weights, the weights
+        (B, h, T, S)."""
+        B, T, _ = query.shape
+        cache = self.cache(incremental_state)
+        if cache is not None and need_weights:
+            cache.ungroup()  # weights need each hypothesis's own keys
+        # 1) "linearly project the queries, keys and values h times": (B, L, d_model) ->
+        #    (B, h, L, d_k); no keys and values when the cache already holds the source's
+        q, k, v = self.project(query, memory, cache)
+        # 2) when decoding, keys and values come from the cache, which first keeps the new ones;
+        #    the g hypotheses of a sentence may share them: queries (B / g, h, g * T, d_k)
+        if cache is not None:
+            if k is not None:
+                cache.append(k, v, mask)
+            k, v, mask = cache.keys_values()
+            q = q.unflatten(0, (-1, cache.group)).transpose(1, 2).flatten(2, 3)
+            causal = False  # the cache holds only earlier steps
+        # 3) attend: softmax(Q K^T / sqrt(d_k)) V, fused or written out
+        kernel = choose_kernel(need_weights, cache is not None, query.device.type, self.kernel)
+        out, weights = attend(q, k, v, mask, causal, self.dropout, kernel)
+        # 4) "concatenated and once again projected": (B / g, h, g * T, d_k) -> (B, T, d_model)
+        out = out.unflatten(2, (-1, T)).permute(0, 2, 3, 1, 4).reshape(B, T, self.h * self.d_k)
         if weights is not None:  # (B, h, T, S)
-            weights = weights.view(-1, self.h, B // weights.size(0), T, S).transpose(1, 2)
-            weights = weights.reshape(B, self.h, T, S)
-            if self.recorded is not None:
-                self.recorded.append(weights.detach())
+            weights = weights.unflatten(2, (-1, T)).transpose(1, 2).flatten(0, 1)
         return self.out_proj(out), weights
 
-    def reorder_incremental_state(self, incremental_state, new_order: Tensor):
-        """Follow beam search: row i of the new cache is row new_order[i] of the old one.
+    def cache(self, incremental_state: Optional[IncrementalState]) -> Optional[KeyValueCache]:
+        """This module's cache in fairseq's incremental_state (None when not decoding)."""
+        if incremental_state is None:
+            return None
+        return self.get_incremental_state(incremental_state, "cache")
 
-        The self-attention history moves no keys when every row stays in its sentence's group
-        (only the rows' ancestry masks are gathered, see history.py). The static encoder K/V is
-        kept once per group of rows that hold the same sentence, so there is nothing to copy
-        then either; when sentences finish and the batch shrinks, the groups' rows are selected.
-        """
-        cache = self.get_incremental_state(incremental_state, "kv")
-        if cache is None:
-            return incremental_state
-        if self.self_attention:
-            cache.reorder(new_order)
-            return incremental_state
-        new_ids = cache["ids"].index_select(0, new_order)
-        if torch.equal(new_ids, cache["ids"]):  # every row keeps its sentence
-            return incremental_state
-        group = group_size(new_ids)
-        # new group j reads the K/V row of old row new_order[j * group]
-        rows = new_order[::group] // cache["group"]
-        cache.update(k=cache["k"].index_select(0, rows), v=cache["v"].index_select(0, rows),
-                     ids=new_ids, group=group)
-        return self.set_incremental_state(incremental_state, "kv", cache)
+    def start_cache(self, incremental_state: IncrementalState, group: int) -> None:
+        """An empty cache; ``group`` rows of one sentence share it (1: one row each)."""
+        cache = SelfAttentionCache(group) if self.self_attention else SourceAttentionCache(group)
+        self.set_incremental_state(incremental_state, "cache", cache)
 
-    def cached_keys_values(self, incremental_state) -> Tuple[Tensor, Tensor]:
-        """The keys and values the next step attends to, one row per hypothesis:
-        (B, h, t, d_k) for self-attention, (B, h, S, d_k) for encoder-decoder attention."""
-        cache = self.get_incremental_state(incremental_state, "kv")
+    def reorder_cache(self, incremental_state: IncrementalState, reorder: BeamReorder) -> None:
+        """Follow beam search (the decoder calls this once per step for every module)."""
+        cache = self.cache(incremental_state)
+        if cache is not None:
+            cache.reorder(reorder)
+
+    def project(self, query: Tensor, memory: Optional[Tensor],
+                cache: Optional[KeyValueCache]) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """Q (B, h, T, d_k) and K, V (rows, h, S, d_k): one row per distinct row the cache keeps,
+        or None when the cache already has the source's."""
         if self.self_attention:
-            return cache.rows()
-        rows = torch.arange(cache["ids"].numel()) // cache["group"]
-        return cache["k"].index_select(0, rows), cache["v"].index_select(0, rows)
+            return self.split_heads(self.qkv_proj(query), 3)
+        (q,) = self.split_heads(self.q_proj(query), 1)
+        if cache is not None and not cache.is_empty():
+            return q, None, None
+        rows = memory if cache is None else cache.distinct_rows(memory)
+        k, v = self.split_heads(self.kv_proj(rows), 2)
+        return q, k, v
+
+    def split_heads(self, x: Tensor, n: int) -> Tuple[Tensor, ...]:
+        """(B, L, n * h * d_k) -> n tensors (B, h, L, d_k)."""
+        B, L, _ = x.shape
+        return x.view(B, L, n, self.h, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
 
 
 @contextlib.contextmanager
 def recording_attention(model: nn.Module):
     """Keep the attention weights of every MultiHeadedAttention in ``model`` while inside:
     yields {module name: [weights (B, h, T, S) of each call]}."""
-    modules = {name: m for name, m in model.named_modules() if isinstance(m, MultiHeadedAttention)}
-    records = {}
-    for name, m in modules.items():
-        m.recorded = records[name] = []
+    records, handles = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, MultiHeadedAttention):
+            records[name] = kept = []
+            handles.append(m.register_forward_pre_hook(
+                lambda _, args, kwargs: (args, {**kwargs, "need_weights": True}), with_kwargs=True))
+            handles.append(m.register_forward_hook(
+                lambda _, args, out, kept=kept: kept.append(out[1].detach())))
     try:
         yield records
     finally:
-        for m in modules.values():
-            m.recorded = None
+        for handle in handles:
+            handle.remove()

@@ -3,13 +3,12 @@
 Shapes: B batch, T target length, S source length, d_model model dimension.
 """
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional, Tuple
 
 from torch import Tensor, nn
 
-from .attention import MultiHeadedAttention
+from .attention import IncrementalState, MultiHeadedAttention
 from .dropout import Dropout
-from .packing import Packing
 
 
 class SublayerConnection(nn.Module):
@@ -61,9 +60,15 @@ class EncoderLayer(nn.Module):
         self.sublayer = nn.ModuleList(
             [SublayerConnection(d_model, dropout, normalize_before) for _ in range(2)])
 
-    def forward(self, x: Tensor, padding_mask: Optional[Tensor]) -> Tensor:
-        """x (B, S, d_model); padding_mask (B, S) True at padding, or None."""
-        x = self.sublayer[0](x, lambda y: self.self_attn(y, key_padding_mask=padding_mask)[0])
+    def forward(self, x: Tensor, mask: Optional[Tensor]) -> Tensor:
+        """x (B, S, d_model); mask (B, 1, 1, S), True at real tokens, or None."""
+        return self.feed_forward_sublayer(self.attention_sublayer(x, mask))
+
+    def attention_sublayer(self, x: Tensor, mask: Optional[Tensor]) -> Tensor:
+        return self.sublayer[0](x, lambda y: self.self_attn(y, mask=mask)[0])
+
+    def feed_forward_sublayer(self, x: Tensor) -> Tensor:
+        """Position-wise: x (..., d_model), any layout of positions."""
         return self.sublayer[1](x, self.feed_forward)
 
 
@@ -82,32 +87,32 @@ class DecoderLayer(nn.Module):
         self.sublayer = nn.ModuleList(
             [SublayerConnection(d_model, dropout, normalize_before) for _ in range(3)])
 
-    def forward(
-        self,
-        x: Tensor,
-        memory: Tensor,
-        memory_padding_mask: Optional[Tensor],
-        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
-        need_attn: bool = False,
-        memory_ids: Optional[Tensor] = None,
-        packing: Optional[Packing] = None,
-        self_attn_padding_mask: Optional[Tensor] = None,
-    ):
-        """x (B, T, d_model), or (N, d_model) packed by ``packing``; memory (B, S, d_model);
-        memory_padding_mask (B, S) True at padding; self_attn_padding_mask (B, T) only needed
-        when padding precedes real tokens (left-padded targets).
-        Returns x (shaped as given) and, if need_attn, the source attention (B, h, T, S)."""
-        x = self.sublayer[0](x, lambda y: self.self_attn(
-            y, key_padding_mask=self_attn_padding_mask, causal=True,
-            incremental_state=incremental_state, memory_ids=memory_ids, packing=packing)[0])
-        attn = [None]
+    def forward(self, x: Tensor, memory: Tensor, tgt_mask: Optional[Tensor],
+                src_mask: Optional[Tensor], incremental_state: Optional[IncrementalState] = None,
+                need_attn: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """x (B, T, d_model), memory (B, S, d_model); tgt_mask (B, 1, 1, T) / src_mask
+        (B, 1, 1, S), True at real tokens, or None. Self-attention is causal.
+        Returns x and, if need_attn, the source attention (B, h, T, S)."""
+        x, attn = self.attention_sublayers(x, memory, tgt_mask, src_mask, incremental_state,
+                                           need_attn)
+        return self.feed_forward_sublayer(x), attn
 
-        def src_attn(y):
-            out, attn[0] = self.src_attn(
-                y, memory, key_padding_mask=memory_padding_mask,
-                incremental_state=incremental_state, need_weights=need_attn,
-                memory_ids=memory_ids, packing=packing)
+    def attention_sublayers(self, x, memory, tgt_mask, src_mask, incremental_state=None,
+                            need_attn=False) -> Tuple[Tensor, Optional[Tensor]]:
+        x = self.sublayer[0](x, lambda y: self.self_attn(
+            y, mask=tgt_mask, causal=True, incremental_state=incremental_state)[0])
+        weights = []
+
+        def source_attention(y: Tensor) -> Tensor:
+            out, w = self.src_attn(y, memory, mask=src_mask, incremental_state=incremental_state,
+                                   need_weights=need_attn)
+            weights.append(w)
             return out
 
-        x = self.sublayer[1](x, src_attn)
-        return self.sublayer[2](x, self.feed_forward), attn[0]
+        x = self.sublayer[1](x, source_attention)
+        return x, weights[0]
+
+    def feed_forward_sublayer(self, x: Tensor) -> Tensor:
+        """Position-wise: x (..., d_model), any layout of positions."""
+        return self.sublayer[2](x, self.feed_forward)
+

@@ -1,0 +1,307 @@
+"""What incremental decoding keeps between steps: the keys and values attention has already seen.
+
+"The decoder ... generates an output sequence one element at a time" (section 3): at step t only
+the newest token is new, so each attention module keeps the keys and values of earlier steps
+instead of recomputing them from the whole prefix. Two caches share one interface:
+
+- ``SelfAttentionCache`` (the decoder's self-attention): the keys and values of the steps decoded
+  so far; every step appends one.
+- ``SourceAttentionCache`` (encoder-decoder attention): the encoder output's keys and values,
+  projected once at the first step.
+
+The interface (``KeyValueCache``): ``append`` new keys and values, ``keys_values`` to attend to,
+``reorder`` to follow beam search, ``rows`` for each hypothesis's own keys and values, and
+``ungroup``. Attention asks its cache for keys and values and never looks at which kind it has.
+
+Beam search keeps g hypotheses per sentence (g = the beam size that fairseq's SequenceGenerator
+hands the model through ``set_beam_size``) in g consecutive rows, and after every step reorders
+them: row i continues the hypothesis of row new_order[i]. A cache with one history per row would
+copy every row's history into the new order at every step. Instead the g rows of a sentence keep
+their keys together ("grouped"):
+
+- source keys and values are the same for the g rows: they are kept once per sentence;
+- self-attention keys are appended side by side: key ``s * g + r`` of a group is step s of the
+  hypothesis that was in row r at step s. A reorder within the groups moves no key, only each
+  row's ancestry: an additive mask over its group's keys, 0 at its own ancestors and -inf
+  elsewhere ((B, steps * g) numbers instead of (B, h, steps, d_k)). Attending to the group's keys
+  under that mask is attending to the row's own history, since exp(-inf) = 0. (The same ancestry
+  mask is what tree attention uses to decode several continuations of one prefix at once, e.g.
+  SpecInfer, Miao et al. 2023.)
+
+The g queries of a group then attend together, as one (g, S) block. Whether a reorder keeps every
+row in its sentence's group is decided once per reorder (``BeamReorder``); when it does not (a
+hypothesis continues another sentence's row, a batch that was never grouped), the caches fall
+back to one row per hypothesis (g = 1) and gather rows.
+
+Shapes: B rows (hypotheses), g rows per group, h heads, d_k head size, S source length,
+t steps cached, C capacity in steps.
+"""
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+MIN_CAPACITY = 32  # self-attention steps allocated at first; doubled when full
+
+
+def kept_groups(new_order: Tensor, group: int) -> Optional[Tensor]:
+    """When every row of ``new_order`` continues a row of its own group of ``group`` rows: the old
+    group each new group comes from, (B' / group,); otherwise None. With group 1 every row is its
+    own group: ``new_order`` itself."""
+    if group == 1:
+        return new_order
+    if new_order.numel() % group:
+        return None
+    old_group = new_order.view(-1, group) // group  # (B' / g, g)
+    first = old_group[:, 0]
+    return first if bool((old_group == first[:, None]).all()) else None
+
+
+def repeats_rows(new_order: Tensor, group: int) -> bool:
+    """Whether ``new_order`` makes groups of ``group`` copies of one row each, as beam search's
+    first reorder does (every sentence repeated beam-size times)."""
+    if group <= 1 or new_order.numel() % group:
+        return False
+    runs = new_order.view(-1, group)
+    return bool((runs == runs[:, :1]).all())
+
+
+def is_identity(index: Tensor, n: int) -> bool:
+    """Whether selecting ``index`` from n rows keeps them all, in order."""
+    return index.numel() == n and torch.equal(index, torch.arange(n, device=index.device))
+
+
+class BeamReorder:
+    """One reorder of beam search, shared by every cache of a step: row i of the new order
+    continues the hypothesis of old row ``new_order[i]`` (rows may be dropped as sentences finish).
+    Whether rows stay in their groups is worked out once (per group size) and remembered."""
+
+    def __init__(self, new_order: Tensor):
+        self.new_order = new_order
+        self._groups: Dict[int, Optional[Tensor]] = {}
+
+    def groups(self, group: int) -> Optional[Tensor]:
+        """``kept_groups(new_order, group)``, computed once."""
+        if group not in self._groups:
+            self._groups[group] = kept_groups(self.new_order, group)
+        return self._groups[group]
+
+
+class KeyValueCache:
+    """The interface both caches share. ``group``: rows (hypotheses) of one sentence that share
+    storage, 1 when each row has its own."""
+
+    group: int = 1
+
+    def is_empty(self) -> bool:
+        raise NotImplementedError
+
+    def distinct_rows(self, x: Tensor) -> Tensor:
+        """The rows of a (B, ...) input whose keys and values this cache stores."""
+        raise NotImplementedError
+
+    def append(self, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> None:
+        """Keep keys and values (distinct rows, h, L, d_k), made from ``distinct_rows`` of the
+        input, and the mask (B, 1, 1, L) of which keys may be attended to (None: all)."""
+        raise NotImplementedError
+
+    def keys_values(self) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Keys and values (B / g, h, S, d_k) for the g * T queries of each group, and their mask
+        (True / 0 where a query may attend), broadcastable to (B / g, h, g * T, S), or None."""
+        raise NotImplementedError
+
+    def reorder(self, reorder: BeamReorder) -> None:
+        """Follow beam search: row i continues row ``reorder.new_order[i]``."""
+        raise NotImplementedError
+
+    def rows(self) -> Tuple[Tensor, Tensor]:
+        """Each row's own keys and values, (B, h, S, d_k), in the current order."""
+        raise NotImplementedError
+
+    def ungroup(self) -> None:
+        """Switch to one row of storage per hypothesis (g = 1) from now on."""
+        raise NotImplementedError
+
+
+class SourceAttentionCache(KeyValueCache):
+    """The keys and values of the encoder output, projected once at the first step."""
+
+    def __init__(self, group: int = 1):
+        self.group = group
+        self.k: Optional[Tensor] = None  # (B / g, h, S, d_k)
+        self.v: Optional[Tensor] = None
+        self.mask: Optional[Tensor] = None  # (B / g, 1, 1, S), True where a key may be attended
+        self.rows_per_group: Optional[Tensor] = None  # g = 1: the stored row each row reads
+
+    def is_empty(self) -> bool:
+        return self.k is None
+
+    def distinct_rows(self, x: Tensor) -> Tensor:
+        return x[:: self.group]  # the g rows of a group hold copies of one sentence
+
+    def append(self, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> None:
+        # contiguous once here, or every step's matrix product copies the permuted heads
+        self.k, self.v = k.contiguous(), v.contiguous()
+        self.mask = None if mask is None else self.distinct_rows(mask)
+
+    def keys_values(self) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        return self.k, self.v, self.mask
+
+    def reorder(self, reorder: BeamReorder) -> None:
+        if self.k is None:
+            return
+        kept = reorder.groups(self.group)
+        if kept is None:  # a row leaves its group: one row per hypothesis from now on
+            self.ungroup()
+            kept = reorder.new_order
+        if is_identity(kept, self.k.size(0)):
+            return  # every row kept its sentence: nothing moves
+        self.k, self.v = self.k.index_select(0, kept), self.v.index_select(0, kept)
+        if self.mask is not None:
+            self.mask = self.mask.index_select(0, kept)
+
+    def rows(self) -> Tuple[Tensor, Tensor]:
+        return (self.k.repeat_interleave(self.group, 0),
+                self.v.repeat_interleave(self.group, 0))
+
+    def ungroup(self) -> None:
+        if self.group == 1:
+            return
+        if self.k is not None:
+            self.k, self.v = self.rows()
+            if self.mask is not None:
+                self.mask = self.mask.repeat_interleave(self.group, 0)
+        self.group = 1
+
+
+class SelfAttentionCache(KeyValueCache):
+    """The keys and values (B, h, t, d_k) of the steps decoded so far, one step appended per call.
+
+    With g > 1 (grouped) the storage is (B / g, h, C * g, d_k) plus each row's ancestry mask
+    (B, C * g); with g = 1 it is (B, h, C, d_k), and a pending reorder is applied as one row
+    gather, into a spare buffer, before the next step is appended.
+    """
+
+    def __init__(self, group: int = 1):
+        self.group = group
+        self.length = 0  # t
+        self.k: Optional[Tensor] = None
+        self.v: Optional[Tensor] = None
+        self.ancestry: Optional[Tensor] = None  # g > 1: (B, C * g), 0 at own keys, -inf elsewhere
+        self.order: Optional[Tensor] = None  # g = 1: the reorder still to apply
+        self.spare: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None)  # g = 1
+
+    def is_empty(self) -> bool:
+        return self.length == 0
+
+    def distinct_rows(self, x: Tensor) -> Tensor:
+        return x  # every hypothesis has its own new key
+
+    def append(self, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> None:
+        """k, v (B, h, T, d_k), one row per hypothesis in the current order. Incremental decoding
+        attends to every earlier step, so there is no mask to keep."""
+        if mask is not None:
+            raise ValueError("the self-attention cache keeps no key mask: every earlier step "
+                             "is visible to the next one")
+        if self.group > 1 and (k.size(2) > 1 or k.size(0) % self.group):
+            self.ungroup()  # several steps at once take the per-row path
+        if self.k is None:
+            self._allocate(k, k.size(0), max(MIN_CAPACITY, k.size(2)))
+        if self.group == 1:
+            self._apply_order()
+        g, t, T = self.group, self.length, k.size(2)
+        if (t + T) * g > self.k.size(2):
+            self._grow(2 * (t + T))
+        if g == 1:
+            self.k[:, :, t:t + T] = k
+            self.v[:, :, t:t + T] = v
+        else:  # (B, h, 1, d_k) -> (B / g, h, g, d_k): row r of a group goes to key t * g + r
+            B = k.size(0)
+            self.k[:, :, t * g:(t + 1) * g] = k.squeeze(2).unflatten(0, (B // g, g)).transpose(1, 2)
+            self.v[:, :, t * g:(t + 1) * g] = v.squeeze(2).unflatten(0, (B // g, g)).transpose(1, 2)
+            step = self.ancestry.view(B // g, g, -1)[:, :, t * g:(t + 1) * g]  # (B / g, g, g)
+            step.diagonal(dim1=1, dim2=2).fill_(0.0)  # each row attends to its own new key
+        self.length = t + T
+
+    def keys_values(self) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        g, t = self.group, self.length
+        k, v = self.k[:, :, :t * g], self.v[:, :, :t * g]
+        if g == 1:
+            return k, v, None  # (append applied any pending reorder)
+        B = self.ancestry.size(0)  # the g queries of a group, each under its own ancestry
+        return k, v, self.ancestry[:, :t * g].view(B // g, 1, g, t * g)
+
+    def reorder(self, reorder: BeamReorder) -> None:
+        """Within groups only the ancestry masks are gathered; otherwise rows are (lazily)."""
+        if self.k is None:
+            return
+        kept = reorder.groups(self.group)
+        if kept is None:  # a row continues another sentence's hypothesis
+            self.ungroup()
+            kept = reorder.new_order
+        if self.group == 1:
+            rows = self.k.size(0) if self.order is None else self.order.numel()
+            if not is_identity(kept, rows):
+                self.order = kept if self.order is None else self.order.index_select(0, kept)
+            return
+        if not is_identity(kept, self.k.size(0)):  # sentences finished
+            self.k, self.v = self.k.index_select(0, kept), self.v.index_select(0, kept)
+        self.ancestry = self.ancestry.index_select(0, reorder.new_order)
+
+    def rows(self) -> Tuple[Tensor, Tensor]:
+        g, t = self.group, self.length
+        if g == 1:
+            k, v = self.k[:, :, :t], self.v[:, :, :t]
+            if self.order is not None:
+                k, v = k.index_select(0, self.order), v.index_select(0, self.order)
+            return k, v
+        B = self.ancestry.size(0)
+        # row i's ancestor at step s sits in slot argmax(ancestry) (the only 0 among -inf)
+        slot = self.ancestry[:, :t * g].view(B, t, g).argmax(-1)  # (B, t)
+        key = torch.arange(t, device=slot.device) * g + slot  # (B, t) index within the group
+        group = (torch.arange(B, device=slot.device) // g)[:, None].expand(B, t)
+        # advanced indices around a slice: (B, t, h, d_k) -> (B, h, t, d_k)
+        return self.k[group, :, key].transpose(1, 2), self.v[group, :, key].transpose(1, 2)
+
+    def ungroup(self) -> None:
+        if self.group == 1:
+            return
+        rows = self.rows() if self.k is not None else None
+        self.group, self.ancestry = 1, None
+        if rows is not None:
+            k, v = rows
+            self._allocate(k, k.size(0), max(MIN_CAPACITY, self.length))
+            self.k[:, :, :self.length], self.v[:, :, :self.length] = k, v
+
+    def _allocate(self, like: Tensor, B: int, capacity: int) -> None:
+        """Empty buffers for ``capacity`` steps of B rows (h, d_k, dtype, device of ``like``)."""
+        g, h, d_k = self.group, like.size(1), like.size(-1)
+        self.k = like.new_empty(B // g, h, capacity * g, d_k)
+        self.v = like.new_empty(B // g, h, capacity * g, d_k)
+        self.spare = (None, None)
+        if g > 1:
+            self.ancestry = like.new_full((B, capacity * g), float("-inf"))
+
+    def _grow(self, capacity: int) -> None:
+        used = self.length * self.group
+        k, v, ancestry = self.k, self.v, self.ancestry
+        self._allocate(k, k.size(0) * self.group, capacity)
+        self.k[:, :, :used], self.v[:, :, :used] = k[:, :, :used], v[:, :, :used]
+        if ancestry is not None:
+            self.ancestry[:, :used] = ancestry[:, :used]
+
+    def _apply_order(self) -> None:
+        """g = 1: gather the rows into the pending order, into a spare buffer that then becomes
+        the current one (one copy of the history, in large contiguous pieces)."""
+        if self.order is None:
+            return
+        t, order = self.length, self.order
+        shape = (order.numel(),) + self.k.shape[1:]
+        spare_k, spare_v = self.spare
+        if spare_k is None or spare_k.shape != shape:
+            spare_k, spare_v = self.k.new_empty(shape), self.v.new_empty(shape)
+        torch.index_select(self.k[:, :, :t], 0, order, out=spare_k[:, :, :t])
+        torch.index_select(self.v[:, :, :t], 0, order, out=spare_v[:, :, :t])
+        self.spare = (self.k, self.v)
+        self.k, self.v, self.order = spare_k, spare_v, None
