@@ -24,7 +24,12 @@ setup(
                     "export": ["ctranslate2"]},
     entry_points={
         "console_scripts": [
-            "annotated-average-checkpoints=fairseq_plugin.average_checkpoints:main",
+            "annotated-prepare=fairseq_plugin.cli.prepare:main",
+            "annotated-evaluate-bleu=fairseq_plugin.cli.evaluate:main",
+            "annotated-attention-heatmaps=fairseq_plugin.cli.heatmaps:main",
+            "annotated-average-checkpoints=fairseq_plugin.cli.average_checkpoints:main",
+            "annotated-launch-cpu-ranks=fairseq_plugin.cli.launch_cpu_ranks:main",
+            "annotated-reverse-data=fairseq_plugin.cli.reverse_task:main",
             "annotated-export-fairseq=fairseq_plugin.export:main",
         ],
     },

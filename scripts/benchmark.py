@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from _common import fairseq_cli, plugin_dir
+from fairseq_plugin.cli.common import fairseq_cli, plugin_dir
 
 PRESETS = {  # layers, d_model, d_ff, heads
     "default": (4, 256, 1024, 4),
@@ -156,7 +156,7 @@ def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=3):
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
 
-    from fairseq_plugin.recomputing import without_cache
+    from fairseq_plugin.testing.recomputing import without_cache
 
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
         [checkpoint], arg_overrides={"data": data_bin})

@@ -12,9 +12,11 @@ import os
 import sys
 import time
 
-import evaluate_bleu
-import prepare_translation
-from _common import REPO, fairseq_cli, plugin_dir, run
+from fairseq_plugin.cli import evaluate as evaluate_bleu
+from fairseq_plugin.cli import prepare as prepare_translation
+from fairseq_plugin.cli.common import fairseq_cli, plugin_dir, run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Sized for about 8 minutes of training on 2 CPU cores (see README: measured results).
 MODEL = ["--arch", "annotated_transformer", "--encoder-layers", "3", "--decoder-layers", "3",

@@ -7,19 +7,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # test the source tree
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-
-import fairseq_plugin  # noqa: E402
-import reverse_data  # noqa: E402
-import reverse_demo  # noqa: E402
-from fairseq.data import Dictionary  # noqa: E402
-from fairseq_plugin.models.annotated_transformer import (  # noqa: E402
+import fairseq_plugin
+from fairseq.data import Dictionary
+from fairseq_plugin.cli import reverse_task
+from fairseq_plugin.models.annotated_transformer import (
     AnnotatedTransformerModel,
     annotated_transformer_tiny,
 )
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGIN_DIR = os.path.dirname(os.path.abspath(fairseq_plugin.__file__))
 BIN = os.path.dirname(sys.executable)
 
@@ -68,7 +64,7 @@ def _seed():
 def reverse_data_bin(work, *reverse_args, joined=True, splits=("train", "valid", "test")):
     """Generate the reverse task under work/raw and binarise it into work/bin."""
 
-    reverse_data.main([str(work / "raw"), *map(str, reverse_args)])
+    reverse_task.main([str(work / "raw"), *map(str, reverse_args)])
     return preprocess_reverse(work / "raw", work / "bin", joined=joined, splits=splits)
 
 
@@ -88,9 +84,9 @@ def reverse_run(tmp_path_factory):
     """The reverse task trained once through fairseq-train (about 2 minutes on 2 cores)."""
     w = tmp_path_factory.mktemp("reverse")
     raw, data_bin, ckpt = w / "raw", w / "data-bin", w / "checkpoints"
-    reverse_data.main([str(raw)])
+    reverse_task.main([str(raw)])
     preprocess_reverse(raw, data_bin)
-    proc = cli(*reverse_demo.train_command(str(data_bin), str(ckpt), REVERSE_EPOCHS,
+    proc = cli(*reverse_task.train_command(str(data_bin), str(ckpt), REVERSE_EPOCHS,
                                            seed=REVERSE_SEED,
                                            extra=["--save-interval", str(REVERSE_EPOCHS)]))
     return {"dir": w, "raw": raw, "data_bin": data_bin, "checkpoint": ckpt / "checkpoint_last.pt",
@@ -99,8 +95,8 @@ def reverse_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def generated(reverse_run):
-    out = cli(*reverse_demo.generate_command(str(reverse_run["data_bin"]),
+    out = cli(*reverse_task.generate_command(str(reverse_run["data_bin"]),
                                              str(reverse_run["checkpoint"]), beam=5))
     path = reverse_run["dir"] / "generate.txt"
     path.write_text(out.stdout)
-    return reverse_demo.read_generate_output(str(path))
+    return reverse_task.read_generate_output(str(path))

@@ -8,8 +8,7 @@ import pytest
 import torch
 from fairseq.data import Dictionary
 
-import reverse_data
-import reverse_demo
+from fairseq_plugin.cli import reverse_task
 from conftest import PLUGIN_DIR, REVERSE_EPOCHS, REVERSE_SEED, cli, preprocess_reverse
 
 
@@ -21,7 +20,7 @@ def test_training_logs_noam_rate_and_label_smoothed_loss(reverse_run):
 
 def test_reverse_task_reaches_95_percent_exact_match_with_beam_5(generated):
     assert len(generated) == 500  # every test sequence was translated
-    accuracy = reverse_demo.exact_match(generated)
+    accuracy = reverse_task.exact_match(generated)
     print(f"reverse task exact match, beam 5: {accuracy:.1%}")
     assert accuracy >= 0.95
 
@@ -69,7 +68,7 @@ def test_checkpoint_loads_with_weights_only_under_torch_2_6_without_env_var(reve
 
 def test_restore_file_continues_training(reverse_run, tmp_path):
     save = tmp_path / "continued"
-    proc = cli(*reverse_demo.train_command(
+    proc = cli(*reverse_task.train_command(
         str(reverse_run["data_bin"]), str(save), REVERSE_EPOCHS + 1, seed=REVERSE_SEED,
         extra=["--restore-file", str(reverse_run["checkpoint"])]))
     log = proc.stdout + proc.stderr
@@ -114,7 +113,7 @@ def test_unknown_preset_fails_with_one_line(reverse_run, tmp_path):
 
 def test_share_all_embeddings_without_joined_dictionary_fails_with_one_line(tmp_path):
     raw = tmp_path / "raw"
-    reverse_data.main([str(raw), "--train", "200", "--valid", "20", "--test", "20"])
+    reverse_task.main([str(raw), "--train", "200", "--valid", "20", "--test", "20"])
     with open(raw / "train.tgt", "a") as f:  # a target-only symbol: dictionaries differ
         f.write("zz\n")
     with open(raw / "train.src", "a") as f:
@@ -137,7 +136,7 @@ def test_too_long_sentence_at_decode_time_fails_with_one_line_naming_the_fix(rev
 def test_print_alignment_shows_the_reversal(reverse_run):
     """The decoder returns its source attention, so --print-alignment works; for the reverse
     task target position j should align to source position n-1-j."""
-    out = cli(*reverse_demo.generate_command(str(reverse_run["data_bin"]),
+    out = cli(*reverse_task.generate_command(str(reverse_run["data_bin"]),
                                              str(reverse_run["checkpoint"])), "--print-alignment")
     sources, alignments = {}, {}
     for line in out.stdout.splitlines():
@@ -169,7 +168,7 @@ def test_corrupt_checkpoint_fails_with_one_line(reverse_run, tmp_path):
 
 def test_data_bin_with_another_dictionary_fails_with_one_line(reverse_run, tmp_path):
     raw = tmp_path / "raw"
-    reverse_data.main([str(raw), "--train", "100", "--valid", "10", "--test", "10",
+    reverse_task.main([str(raw), "--train", "100", "--valid", "10", "--test", "10",
                        "--vocab", "8"])
     preprocess_reverse(raw, tmp_path / "bin")
     proc = cli("fairseq-generate", tmp_path / "bin", "--user-dir", PLUGIN_DIR,

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-import launch_cpu_ranks
 from conftest import PLUGIN_DIR, cli, reverse_data_bin
+from fairseq_plugin.cli import launch_cpu_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -11,7 +11,7 @@ import torch
 from fairseq import models
 from fairseq.sequence_generator import SequenceGenerator
 
-import reverse_demo
+from fairseq_plugin.cli import reverse_task
 from conftest import REPO, build_tiny_model, cli, make_dictionary
 from fairseq_plugin.errors import PluginError
 from fairseq_plugin.models.annotated_transformer import annotated_transformer_tiny
@@ -125,7 +125,7 @@ def test_fairseq_generate_without_the_plugin_translates_like_the_original(
               "--cpu")
     path = exported["checkpoint"].parent / "generate.txt"
     path.write_text(out.stdout)
-    theirs = reverse_demo.read_generate_output(str(path))
+    theirs = reverse_task.read_generate_output(str(path))
     assert len(theirs) == len(generated) == 500
     assert {i: h for i, (_, _, h) in theirs.items()} == {i: h for i, (_, _, h) in generated.items()}
 
@@ -133,11 +133,11 @@ def test_fairseq_generate_without_the_plugin_translates_like_the_original(
 def test_ctranslate2_greedy_decoding_equals_fairseq_generate_beam_1(reverse_run, exported):
     import ctranslate2
 
-    out = cli(*reverse_demo.generate_command(str(reverse_run["data_bin"]),
+    out = cli(*reverse_task.generate_command(str(reverse_run["data_bin"]),
                                              str(reverse_run["checkpoint"]), beam=1))
     path = exported["checkpoint"].parent / "generate-beam1.txt"
     path.write_text(out.stdout)
-    fairseq_out = reverse_demo.read_generate_output(str(path))
+    fairseq_out = reverse_task.read_generate_output(str(path))
     ids = sorted(fairseq_out)
     translator = ctranslate2.Translator(str(exported["ct2"]), device="cpu")
     # fairseq-generate's default --max-len-b 200 is CTranslate2's max_decoding_length

@@ -196,3 +196,56 @@ def test_gradients_of_a_padded_batch_are_the_sum_over_its_sentences():
         summed = g if summed is None else {k: summed[k] + g[k] for k in g}
     for name in batch:
         assert torch.allclose(batch[name], summed[name], atol=1e-4, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("left_pad_target", [False, True])
+def test_skipping_padding_changes_no_result(left_pad_target):
+    """Packing (feed-forward sub-layers on real tokens only) is pure speed: the same logits at
+    every real position and the same gradients as the plain model."""
+    d = make_dictionary()
+    model = build_tiny_model(d, dropout=0.0).train()
+    src = random_tokens(d, 4, 7)
+    src[1, :3] = d.pad()  # left-padded source, as fairseq-generate pads
+    src[2, :6] = d.pad()
+    tgt = random_tokens(d, 4, 6)
+    if left_pad_target:
+        tgt[0, :2] = d.pad()
+    tgt[3, 2:] = d.pad()
+    real = tgt.ne(d.pad())
+    results = []
+    for skip in (True, False):
+        model.encoder.skip_padding = model.decoder.skip_padding = skip
+        model.zero_grad()
+        logits = model(src, src.ne(d.pad()).sum(1), tgt)[0]
+        (logits[real].float().pow(2).mean()).backward()
+        results.append((logits[real].detach(), [p.grad.clone() for p in model.parameters()]))
+    (packed, packed_grads), (plain, plain_grads) = results
+    assert torch.allclose(packed, plain, atol=1e-5)
+    for a, b in zip(packed_grads, plain_grads):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_a_checkpoint_from_before_the_redesign_translates_identically():
+    """tests/data/pre_redesign: a fairseq-train checkpoint (encoder width 32, decoder 24) and its
+    outputs, written by the code before the readable-core redesign (commit ff85fd8)."""
+    from fairseq import checkpoint_utils
+    from fairseq.sequence_generator import SequenceGenerator
+
+    here = os.path.join(os.path.dirname(__file__), "data", "pre_redesign")
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [os.path.join(here, "checkpoint.pt")],
+        arg_overrides={"data": here, "source_lang": "src", "target_lang": "tgt"})
+    model = models[0].eval()
+    expected = torch.load(os.path.join(here, "expected.pt"))
+    with torch.no_grad():
+        logits = model(expected["src_tokens"], expected["src_lengths"],
+                       expected["prev_output_tokens"])[0]
+        sample = {"net_input": {"src_tokens": expected["src_tokens"],
+                                "src_lengths": expected["src_lengths"]}}
+        hyps = SequenceGenerator([model], task.target_dictionary, beam_size=5,
+                                 max_len_b=20).generate([model], sample)
+    real = expected["prev_output_tokens"].ne(task.target_dictionary.pad())  # padding is free
+    assert (logits[real] - expected["logits"][real]).abs().max() <= 1e-5
+    for got, tokens, scores in zip(hyps, expected["hypotheses"], expected["scores"]):
+        assert [h["tokens"].tolist() for h in got] == [t.tolist() for t in tokens]
+        assert all(abs(float(h["score"]) - s) <= 1e-4 for h, s in zip(got, scores))

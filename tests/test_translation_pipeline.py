@@ -3,16 +3,14 @@ sacreBLEU, checkpoint averaging — on a small slice of the bundled Tatoeba samp
 
 import gzip
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-import evaluate_bleu
-import prepare_translation
 from conftest import PLUGIN_DIR, REPO, cli
-from fairseq_plugin import average_checkpoints
+from fairseq_plugin.cli import average_checkpoints, heatmaps
+from fairseq_plugin.cli import evaluate as evaluate_bleu
+from fairseq_plugin.cli import prepare as prepare_translation
 from fairseq_plugin.errors import PluginError
 
 BUNDLED = os.path.join(REPO, "examples", "tatoeba", "data")
@@ -60,12 +58,11 @@ def test_prepare_refuses_misaligned_files(tmp_path):
     write_slice(tmp_path / "raw", n_train=50, n_eval=5)
     with open(tmp_path / "raw" / "valid.en", "a") as f:
         f.write("One line too many.\n")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "prepare_translation.py"),
-                           "-s", "de", "-t", "en", "--raw-dir", tmp_path / "raw",
-                           "--dest", tmp_path / "bin"], capture_output=True, text=True)
+    proc = cli("annotated-prepare", "-s", "de", "-t", "en", "--raw-dir", tmp_path / "raw",
+               "--dest", tmp_path / "bin", check=False)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"prepare_translation: error: {tmp_path}/raw/valid.de has 5 lines but "
+        f"annotated-prepare: error: {tmp_path}/raw/valid.de has 5 lines but "
         f"{tmp_path}/raw/valid.en has 6: parallel files must be aligned line by line")
 
 
@@ -101,19 +98,15 @@ def trained(prepared):
 
 def test_short_run_generates_and_scores_with_sacrebleu(trained):
     w, ckpt = trained
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "evaluate_bleu.py"),
-                           w / "bin", ckpt / "checkpoint_last.pt", "--examples", "2"],
-                          capture_output=True, text=True, check=True)
+    proc = cli("annotated-evaluate-bleu", w / "bin", ckpt / "checkpoint_last.pt", "--examples", "2")
     lines = proc.stdout.splitlines()
     assert any(line.startswith("BLEU = ") and "(test, beam 5, lenpen 1, 60 sentences)" in line
                for line in lines)
     assert any(line.startswith("signature: nrefs:1|case:mixed|eff:no|tok:13a") for line in lines)
     assert sum(line.strip().startswith("hypothesis") for line in lines) == 2
     # the length penalty is chosen on the validation set
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "evaluate_bleu.py"),
-                           w / "bin", ckpt / "checkpoint_last.pt", "--examples", "0",
-                           "--subset", "valid", "--lenpen", "1.5"],
-                          capture_output=True, text=True, check=True)
+    proc = cli("annotated-evaluate-bleu", w / "bin", ckpt / "checkpoint_last.pt", "--examples", "0",
+               "--subset", "valid", "--lenpen", "1.5")
     assert "(valid, beam 5, lenpen 1.5, " in proc.stdout
 
 
@@ -196,12 +189,11 @@ def test_iwslt14_files_become_train_valid_test(tmp_path):
 
 
 def test_attention_heatmaps_are_pngs_of_rows_summing_to_one(prepared, trained, tmp_path):
-    import attention_heatmaps
 
     w, _ = prepared
     _, ckpt = trained
-    hub = attention_heatmaps.load_hub(str(w / "bin"), str(ckpt / "checkpoint_last.pt"))
-    translation, drawn = attention_heatmaps.write_heatmaps(hub, "Tom öffnete das Bier.",
+    hub = heatmaps.load_hub(str(w / "bin"), str(ckpt / "checkpoint_last.pt"))
+    translation, drawn = heatmaps.write_heatmaps(hub, "Tom öffnete das Bier.",
                                                            str(tmp_path / "all"))
     assert len(drawn) == 3 * 2 * 4  # kinds x layers x heads of annotated_transformer_tiny
     assert sorted(os.listdir(tmp_path / "all")) == sorted(os.path.basename(p) for p in drawn)
@@ -213,7 +205,7 @@ def test_attention_heatmaps_are_pngs_of_rows_summing_to_one(prepared, trained, t
     source_maps = [wts for p, wts in drawn.items() if "decoder_source" in p]
     n_source = len(hub.encode("Tom öffnete das Bier."))
     assert all(len(row) == n_source for wts in source_maps for row in wts)
-    _, some = attention_heatmaps.write_heatmaps(hub, "Tom öffnete das Bier.", str(tmp_path / "one"),
+    _, some = heatmaps.write_heatmaps(hub, "Tom öffnete das Bier.", str(tmp_path / "one"),
                                                 layers={1}, heads={0})
     assert sorted(os.path.basename(p) for p in some) == [
         "decoder_self_layer1_head0.png", "decoder_source_layer1_head0.png",

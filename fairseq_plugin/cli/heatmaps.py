@@ -1,12 +1,11 @@
-#!/usr/bin/env python
 """Translate one sentence and draw the attention as heat-maps, as in the notebook's
 "Attention Visualization": encoder self-attention, decoder self-attention and decoder-source
 attention, per layer and head, labelled with the sub-word tokens.
 
-  attention_heatmaps.py DATA_BIN CHECKPOINT "Ein Hund läuft über die Wiese." --out-dir maps
+  annotated-attention-heatmaps DATA_BIN CHECKPOINT "Ein Hund läuft über die Wiese." --out-dir maps
       [--layers 0,2] [--heads 0,1] [--beam 5]
 
-DATA_BIN is a directory made by prepare_translation.py (dictionaries, bpe.codes, prepare.json).
+DATA_BIN is a directory made by annotated-prepare (dictionaries, bpe.codes, prepare.json).
 Writes OUT_DIR/{encoder_self,decoder_self,decoder_source}_layer{L}_head{H}.png (all layers and
 heads by default). Rows are queries, columns the keys they attend to; each row sums to 1.
 """
@@ -16,7 +15,6 @@ import json
 import os
 import sys
 
-from _common import REPO  # noqa: F401  (puts the checkout's fairseq_plugin first on sys.path)
 
 KINDS = {  # file prefix -> (which stack, attention module inside a layer)
     "encoder_self": ("encoder", "self_attn"),
@@ -26,7 +24,7 @@ KINDS = {  # file prefix -> (which stack, attention module inside a layer)
 
 
 def load_hub(data_bin, checkpoint):
-    from fairseq_plugin import AnnotatedTransformerModel
+    from .. import AnnotatedTransformerModel
 
     with open(os.path.join(data_bin, "prepare.json")) as f:
         settings = json.load(f)
@@ -42,7 +40,7 @@ def attention_maps(hub, sentence, beam=5):
     output labels, {kind: {(layer, head): weights (T_query, T_key) as a list of rows}})."""
     import torch
 
-    from fairseq_plugin.modules.attention import recording_attention
+    from ..modules.attention import recording_attention
 
     model = hub.models[0]
     src = hub.encode(sentence)
@@ -117,8 +115,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     pick = lambda s: None if s is None else {int(x) for x in s.split(",")}  # noqa: E731
     if not os.path.exists(os.path.join(args.data_bin, "prepare.json")):
-        sys.exit(f"attention_heatmaps: error: {args.data_bin} has no prepare.json; give a "
-                 f"directory made by scripts/prepare_translation.py")
+        sys.exit(f"annotated-attention-heatmaps: error: {args.data_bin} has no prepare.json; give a "
+                 f"directory made by annotated-prepare")
     hub = load_hub(args.data_bin, args.checkpoint)
     translation, drawn = write_heatmaps(hub, args.sentence, args.out_dir, pick(args.layers),
                                         pick(args.heads), args.beam)

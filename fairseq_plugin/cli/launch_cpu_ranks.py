@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Start N local CPU ranks of fairseq-train: validate a distributed set-up without GPUs.
 
 fairseq's own launchers assume CUDA (spawn starts cuda.device_count() = 0 processes on CPU;
@@ -9,7 +8,7 @@ torchrun divides by it). By hand this works, and is what this script does, once 
       --distributed-backend gloo --ddp-backend legacy_ddp --device-id 0 --cpu
 
 Usage:
-  launch_cpu_ranks.py --nprocs 2 -- fairseq-train DATA --user-dir fairseq_plugin --arch ...
+  annotated-launch-cpu-ranks --nprocs 2 -- fairseq-train DATA --user-dir fairseq_plugin --arch ...
 Rank 0's output is shown; rank R's goes to --log-dir/rank{R}.log. If a rank fails, the others
 are stopped and the exit status is the failed rank's.
 """
@@ -61,7 +60,7 @@ def launch(command, nprocs, log_dir, port=None, threads=None):
                 procs.remove(p)
                 if code != 0 and status == 0:
                     status = code
-                    sys.stderr.write(f"launch_cpu_ranks: error: a rank exited with status {code}; "
+                    sys.stderr.write(f"annotated-launch-cpu-ranks: error: a rank exited with status {code}; "
                                      f"stopping the others (logs in {log_dir})\n")
                     for other in procs:
                         other.terminate()
@@ -77,8 +76,8 @@ def launch(command, nprocs, log_dir, port=None, threads=None):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
-        sys.exit("launch_cpu_ranks: error: give the command after --, e.g. "
-                 "launch_cpu_ranks.py --nprocs 2 -- fairseq-train DATA --arch ...")
+        sys.exit("annotated-launch-cpu-ranks: error: give the command after --, e.g. "
+                 "annotated-launch-cpu-ranks --nprocs 2 -- fairseq-train DATA --arch ...")
     split = argv.index("--")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nprocs", type=int, default=2, help="number of ranks")

@@ -1,19 +1,16 @@
-"""Shared by the scripts: the plugin's location and running fairseq's CLIs."""
+"""Shared by the commands and demos: the plugin's location and running fairseq's CLIs."""
 
 import os
 import shlex
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # the checkout's fairseq_plugin, installed or not
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def plugin_dir() -> str:
     """The directory to pass to --user-dir."""
-    import fairseq_plugin
-
-    return os.path.dirname(os.path.abspath(fairseq_plugin.__file__))
+    return PACKAGE_DIR
 
 
 def fairseq_cli(name: str) -> str:
@@ -26,9 +23,13 @@ def run(cmd, log_path, echo_if=None):
     cmd = [str(c) for c in cmd]
     print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # unbuffered: a child writing to a pipe would otherwise hold its lines back for minutes
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env)
         for line in proc.stdout:
             log.write(line)
+            log.flush()
             if echo_if and echo_if in line:
                 print("  " + line.split(" | ", 3)[-1].rstrip(), flush=True)
         if proc.wait() != 0:

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from .errors import PluginError
+from ..errors import PluginError
 
 
 def _arch(state):

@@ -1,13 +1,13 @@
-#!/usr/bin/env python
 """Raw parallel text -> fairseq data-bin: Moses normalisation and tokenisation (sacremoses),
 joint BPE (subword-nmt), fairseq-preprocess --joined-dictionary.
 
   # your own files: RAW/train.de RAW/train.en RAW/valid.* RAW/test.* (plain or .gz)
-  prepare_translation.py --source-lang de --target-lang en --raw-dir RAW --dest data-bin/xx
+  annotated-prepare --source-lang de --target-lang en --raw-dir RAW --dest data-bin/xx
   # a named corpus, downloaded when online, or read from --raw-dir
-  prepare_translation.py --corpus multi30k --dest data-bin/multi30k [--raw-dir DIR]
-  prepare_translation.py --corpus iwslt14 --dest data-bin/iwslt14 [--raw-dir de-en/ or de-en.tgz]
-  prepare_translation.py --corpus tatoeba --dest data-bin/tatoeba      (bundled sample)
+  annotated-prepare --corpus multi30k --dest data-bin/multi30k [--raw-dir DIR]
+  annotated-prepare --corpus iwslt14 --dest data-bin/iwslt14 [--raw-dir de-en/ or de-en.tgz]
+  annotated-prepare --corpus tatoeba --dest data-bin/tatoeba      (bundled sample; run in the
+                                                                repository's root)
 
 DEST receives the binarised data and dictionaries (fairseq-preprocess), ``bpe.codes``,
 ``text/`` (tokenised + BPE text), ``raw/`` (the raw test/valid text, the references for
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import urllib.request
 
-from _common import REPO, fairseq_cli
+from .common import fairseq_cli
 
 # name -> languages, split prefixes, download (url template by file) or bundled directory
 CORPORA = {
@@ -49,7 +49,7 @@ CORPORA = {
     "tatoeba": {
         "source_lang": "de", "target_lang": "en",
         "splits": {"train": "train", "valid": "valid", "test": "test"},
-        "bundled": os.path.join(REPO, "examples", "tatoeba", "data"),
+        "bundled": os.path.join("examples", "tatoeba", "data"),  # in this repository's root
     },
 }
 
@@ -311,7 +311,7 @@ def main(argv=None):
         settings = prepare(raw_dir, args.dest, src, tgt, splits, args.bpe_merges, args.workers,
                            args.force)
     except PrepareError as e:
-        sys.exit(f"prepare_translation: error: {e}")
+        sys.exit(f"annotated-prepare: error: {e}")
     print(f"prepared {args.dest}: " + ", ".join(f"{s} {n} pairs"
                                                  for s, n in settings["splits"].items()))
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Beam search on a prepared test set and detokenised sacreBLEU against the raw references.
 
 fairseq-generate (--beam N, BPE removed and Moses-detokenised by fairseq's own subword_nmt and
@@ -6,7 +5,7 @@ moses post-processing) -> hypotheses in corpus order -> sacrebleu.corpus_bleu ag
 DATA_BIN/raw/test.TGT, printed with its signature and a few source / reference / hypothesis
 triples.
 
-  evaluate_bleu.py DATA_BIN CHECKPOINT [--beam 5] [--lenpen 1.0] [--subset test|valid]
+  annotated-evaluate-bleu DATA_BIN CHECKPOINT [--beam 5] [--lenpen 1.0] [--subset test|valid]
                    [--examples 5] [--output hyps.txt]
 
 Choose --lenpen on --subset valid, then report test with it.
@@ -18,7 +17,7 @@ import os
 import subprocess
 import sys
 
-from _common import fairseq_cli, plugin_dir
+from .common import fairseq_cli, plugin_dir
 
 
 def generate_detokenised(data_bin, checkpoint, beam=5, max_tokens=4096, subset="test",
@@ -37,7 +36,7 @@ def generate_detokenised(data_bin, checkpoint, beam=5, max_tokens=4096, subset="
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-3000:])
-        raise SystemExit(f"evaluate_bleu: error: fairseq-generate failed (exit {proc.returncode})")
+        raise SystemExit(f"annotated-evaluate-bleu: error: fairseq-generate failed (exit {proc.returncode})")
     hyps = {}
     for line in proc.stdout.splitlines():
         if line.startswith("D-"):
@@ -55,7 +54,7 @@ def score(data_bin, hyps, settings, subset="test"):
 
     sources, refs = lines(settings["source_lang"]), lines(settings["target_lang"])
     if len(hyps) != len(refs):
-        raise SystemExit(f"evaluate_bleu: error: {len(hyps)} hypotheses for {len(refs)} "
+        raise SystemExit(f"annotated-evaluate-bleu: error: {len(hyps)} hypotheses for {len(refs)} "
                          f"references")
     ordered = [hyps[i] for i in range(len(refs))]
     bleu = sacrebleu.metrics.BLEU()
