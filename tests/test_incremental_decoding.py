@@ -323,3 +323,31 @@ def test_fused_kernel_in_decoding_steps_equals_the_written_out_formula():
         for a, b in zip(hyps_a, hyps_b):
             assert torch.equal(a["tokens"], b["tokens"])
             assert abs(float(a["score"]) - float(b["score"])) <= 1e-4
+
+
+def test_encoder_reorders_copy_only_when_rows_change_and_mark_only_true_copies():
+    from fairseq_plugin.models.annotated_transformer import beam_group
+
+    d = make_dictionary()
+    model = build_tiny_model(d)
+    model.set_beam_size(2)
+    src, lengths = padded_sources(d, [5, 3, 4, 6], left_pad=True)
+    reorder = model.encoder.reorder_encoder_out
+    with torch.no_grad():
+        enc = model.encoder(src, lengths)
+    x = enc["encoder_out"][0]
+    # distinct sentences, an even number of rows: never marked as copies of one another
+    once = reorder(enc, torch.tensor([3, 1, 0, 2]))
+    twice = reorder(once, torch.tensor([1, 0, 3, 2]))
+    assert beam_group(once) == beam_group(twice) == 1
+    assert torch.equal(twice["encoder_out"][0], x[[3, 1, 0, 2]][[1, 0, 3, 2]])
+    # beam search's expansion makes groups of copies; reorders within them copy nothing
+    expanded = reorder(enc, torch.arange(4).repeat_interleave(2))
+    assert beam_group(expanded) == 2
+    assert reorder(expanded, torch.tensor([1, 1, 2, 3, 5, 4, 6, 6])) is expanded
+    shrunk = reorder(expanded, torch.tensor([3, 2, 7, 7]))  # sentences 0 and 2 finished
+    assert beam_group(shrunk) == 2
+    assert torch.equal(shrunk["encoder_out"][0], x[[1, 1, 3, 3]])
+    crossed = reorder(expanded, torch.tensor([0, 2, 2, 3, 4, 5, 6, 7]))  # row 1 leaves its group
+    assert beam_group(crossed) == 1
+    assert torch.equal(crossed["encoder_out"][0], x[[0, 1, 1, 1, 2, 2, 3, 3]])

@@ -13,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-.venv/bin/python}
 BIN=$(dirname "$PYTHON")
+BIN=$(dirname "$PYTHON")
 ARCH=${ARCH:-annotated_transformer}
 EPOCHS=${EPOCHS:-20}
 LENPEN=${LENPEN:-1.6}
@@ -22,7 +23,7 @@ CKPT=$WORK/$ARCH
 [ -n "${THREADS:-}" ] && export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 
 if [ ! -f "$DATA/prepare.json" ]; then
-  $PYTHON scripts/prepare_translation.py --corpus multi30k ${RAW_DIR:+--raw-dir "$RAW_DIR"} \
+  $BIN/annotated-prepare --corpus multi30k ${RAW_DIR:+--raw-dir "$RAW_DIR"} \
       --dest "$DATA" --bpe-merges 8000
 fi
 
@@ -46,10 +47,10 @@ $BIN/fairseq-train "$DATA" --user-dir fairseq_plugin --arch "$ARCH" \
     --save-dir "$CKPT" --keep-last-epochs 5 --log-format simple --log-interval 100 \
     2>&1 | tee "$CKPT/train.log"
 
-$PYTHON -m fairseq_plugin.average_checkpoints --inputs "$CKPT" --num-epoch-checkpoints 5 \
+$BIN/annotated-average-checkpoints --inputs "$CKPT" --num-epoch-checkpoints 5 \
     --output "$CKPT/average_last5.pt" --force
 for ckpt in checkpoint_last.pt average_last5.pt; do
   echo "== $ARCH $ckpt"
-  $PYTHON scripts/evaluate_bleu.py "$DATA" "$CKPT/$ckpt" --beam 5 --lenpen "$LENPEN" --examples 0 \
+  $BIN/annotated-evaluate-bleu "$DATA" "$CKPT/$ckpt" --beam 5 --lenpen "$LENPEN" --examples 0 \
       --output "$CKPT/${ckpt%.pt}.test2016.en" | tee "$CKPT/${ckpt%.pt}.bleu"
 done
