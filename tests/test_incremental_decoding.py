@@ -351,3 +351,60 @@ def test_encoder_reorders_copy_only_when_rows_change_and_mark_only_true_copies()
     crossed = reorder(expanded, torch.tensor([0, 2, 2, 3, 4, 5, 6, 7]))  # row 1 leaves its group
     assert beam_group(crossed) == 1
     assert torch.equal(crossed["encoder_out"][0], x[[0, 1, 1, 1, 2, 2, 3, 3]])
+
+
+@pytest.mark.parametrize("kind", ["prefix", "constraints"])
+def test_beam_search_with_prefixes_or_constraints_is_the_same_with_and_without_cache(kind):
+    from fairseq import search
+    from fairseq.token_generation_constraints import pack_constraints
+
+    d = make_dictionary(40)
+    model = build_tiny_model(d)
+    with torch.no_grad():
+        model.decoder.generator.proj.weight.mul_(4.0)
+    src, lengths = padded_sources(d, [6, 9, 4], left_pad=True)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
+    options, extra = {}, {}
+    if kind == "prefix":
+        extra["prefix_tokens"] = random_tokens(d, 3, 2)
+    else:
+        options["search_strategy"] = search.LexicallyConstrainedBeamSearch(d, "ordered")
+        extra["constraints"] = pack_constraints(
+            [[random_tokens(d, 1, 2)[0]], [random_tokens(d, 1, 1)[0]], []])
+
+    def generate(m):
+        gen = SequenceGenerator([m], d, beam_size=4, max_len_b=10, **options)
+        with torch.no_grad():
+            return gen.generate([m], sample, **extra)
+
+    cached, recomputed = generate(model), generate(without_cache(model))
+    for hyps_a, hyps_b in zip(cached, recomputed):
+        assert [h["tokens"].tolist() for h in hyps_a] == [h["tokens"].tolist() for h in hyps_b]
+        for a, b in zip(hyps_a, hyps_b):
+            assert abs(float(a["score"]) - float(b["score"])) <= 1e-4
+    if kind == "prefix":
+        assert all(torch.equal(h["tokens"][:2], p) for hs, p in zip(cached, extra["prefix_tokens"])
+                   for h in hs)
+
+
+@pytest.mark.parametrize("kernel", [FUSED, "explicit"])
+def test_several_new_steps_after_cached_ones_see_each_other_causally(kernel):
+    """Self-attention with a cache and T > 1 new queries: each sees the cached steps and the new
+    ones up to itself (the causal mask aligned to the last T positions, for both kernels)."""
+    d = make_dictionary()
+    model = build_tiny_model(d)
+    for m in model.decoder.attentions():
+        m.kernel = kernel
+    src, lengths = padded_sources(d, [5, 7], left_pad=True)
+    tgt = prefixes(d, 2, 6)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, lengths)
+        full = model.decoder(tgt, encoder_out=encoder_out)[0]
+        state = {}
+        for t in (1, 2):  # two cached steps, then four at once through the layers
+            model.decoder(tgt[:, :t], encoder_out=encoder_out, incremental_state=state)
+        x = model.decoder.embed(tgt[:, 2:], torch.arange(2, 6).expand(2, 4))
+        for layer in model.decoder.layers:
+            x, _ = layer(x, encoder_out["encoder_out"][0], None, None, state)
+        out = model.decoder.output_layer(model.decoder.norm(x))
+    assert (out - full[:, 2:]).abs().max() <= 1e-4

@@ -84,7 +84,6 @@ def main(argv=None):
         print(f"  source     {src}\n  reference  {ref}\n  hypothesis {hyp}\n")
     print(f"{result}  ({args.subset}, beam {args.beam}, lenpen {args.lenpen:g}, "
           f"{len(triples)} sentences)\nsignature: {signature}")
-    return result
 
 
 if __name__ == "__main__":

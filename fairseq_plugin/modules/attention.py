@@ -91,8 +91,10 @@ def choose_kernel(need_weights: bool, decoding: bool, device_type: str,
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
            dropout: nn.Module, kernel: str) -> Tuple[Tensor, Optional[Tensor]]:
     """Attention(Q, K, V) with the chosen kernel: (B, h, T, d_k) and the weights (B, h, T, S) for
-    the explicit kernel. ``causal``: query i sees keys up to i (training, T = S)."""
-    if causal and (mask is not None or kernel == EXPLICIT):
+    the explicit kernel. ``causal``: the T queries are the last T of the S positions, and each
+    sees the keys up to its own."""
+    square = q.size(-2) == k.size(-2)  # the fused kernel's is_causal assumes T = S
+    if causal and (mask is not None or kernel == EXPLICIT or not square):
         causal_part = causal_mask(q.size(-2), k.size(-2), q.device)
         mask, causal = (causal_part if mask is None else mask & causal_part), False
     if kernel == EXPLICIT:
@@ -161,7 +163,7 @@ class MultiHeadedAttention(nn.Module):
                 cache.append(k, v, mask)
             k, v, mask = cache.keys_values()
             q = q.unflatten(0, (-1, cache.group)).transpose(1, 2).flatten(2, 3)
-            causal = False  # the cache holds only earlier steps
+            causal = causal and T > 1  # one new step may see every cached one
         # 3) attend: softmax(Q K^T / sqrt(d_k)) V, fused or written out
         kernel = choose_kernel(need_weights, cache is not None, query.device.type, self.kernel)
         out, weights = attend(q, k, v, mask, causal, self.dropout, kernel)
