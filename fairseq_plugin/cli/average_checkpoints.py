@@ -36,7 +36,7 @@ def _arch(state):
 
 
 def load(path):
-    from . import checkpoints  # noqa: F401  (allowlist fairseq's classes for weights_only)
+    from .. import checkpoints  # noqa: F401  (allowlist fairseq's classes for weights_only)
 
     try:
         state = torch.load(path, map_location="cpu")
