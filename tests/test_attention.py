@@ -175,3 +175,19 @@ def test_separate_widths_initialise_each_projection_as_its_own_glorot_matrix():
         assert w.abs().max() <= bound and w.abs().max() > 0.95 * bound
     q_bound = math.sqrt(6.0 / (96 + 96))
     assert q_bound * 0.95 < attn.q_proj.weight.abs().max() <= q_bound
+
+
+def test_a_model_with_encoder_width_128_and_decoder_width_96_initialises_every_matrix_on_its_own():
+    from conftest import build_tiny_model
+
+    model = build_tiny_model(encoder_embed_dim=128, decoder_embed_dim=96,
+                             encoder_attention_heads=4, decoder_attention_heads=4)
+    for layer in model.decoder.layers:
+        w_q = layer.src_attn.q_proj.weight
+        w_k, w_v = layer.src_attn.kv_proj.weight.split(96, dim=0)
+        for w, (rows, cols) in ((w_q, (96, 96)), (w_k, (96, 128)), (w_v, (96, 128))):
+            bound = math.sqrt(6.0 / (rows + cols))
+            assert w.shape == (rows, cols) and 0.95 * bound < w.abs().max() <= bound
+    for layer in model.encoder.layers:
+        for w in layer.self_attn.qkv_proj.weight.split(128, dim=0):
+            assert 0.95 * math.sqrt(6.0 / 256) < w.abs().max() <= math.sqrt(6.0 / 256)

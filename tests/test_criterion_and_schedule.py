@@ -12,20 +12,8 @@ from fairseq_plugin.criterions.annotated_label_smoothing import (
     annotated_label_smoothing_loss,
 )
 from fairseq_plugin.errors import PluginError
+from fairseq_plugin.reference import LabelSmoothing
 from fairseq_plugin.lr_scheduler.noam import NoamSchedule
-
-
-def seed_label_smoothing(x, target, size, padding_idx, smoothing):
-    """The Annotated Transformer's LabelSmoothing.forward, as in the notebook."""
-    confidence = 1.0 - smoothing
-    true_dist = x.data.clone()
-    true_dist.fill_(smoothing / (size - 2))
-    true_dist.scatter_(1, target.data.unsqueeze(1), confidence)
-    true_dist[:, padding_idx] = 0
-    mask = torch.nonzero(target.data == padding_idx)
-    if mask.dim() > 0:
-        true_dist.index_fill_(0, mask.squeeze(), 0.0)
-    return nn.KLDivLoss(reduction="sum")(x, true_dist)
 
 
 @pytest.mark.parametrize("eps", [0.1, 0.3])
@@ -35,7 +23,7 @@ def test_criterion_equals_the_seed_formula(eps):
     target = torch.randint(4, V, (64,))
     target[::7] = pad
     loss, nll = annotated_label_smoothing_loss(lprobs, target, eps, pad)
-    expected = seed_label_smoothing(lprobs, target, V, pad, eps)
+    expected = LabelSmoothing(V, pad, eps)(lprobs, target)
     assert torch.allclose(loss.double(), expected, rtol=1e-5)
     not_pad = target.ne(pad)
     assert torch.allclose(nll.double(), -lprobs[not_pad].gather(1, target[not_pad, None]).sum())
