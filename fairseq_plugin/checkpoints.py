@@ -39,6 +39,11 @@ def allow_fairseq_checkpoints() -> None:
 allow_fairseq_checkpoints()
 
 
+def _refused_by_weights_only(exc: BaseException) -> bool:
+    """torch's restricted unpickler refused a class: the file is fine, the class is not allowed."""
+    return isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc)
+
+
 def _unreadable(exc: BaseException) -> bool:
     """A damaged or truncated file, as opposed to any other failure while loading."""
     if isinstance(exc, (EOFError, zipfile.BadZipFile)):
@@ -46,7 +51,7 @@ def _unreadable(exc: BaseException) -> bool:
     if isinstance(exc, OSError):  # torch's zip reader on a truncated file: EINVAL
         return exc.errno == errno.EINVAL
     if isinstance(exc, pickle.UnpicklingError):
-        return "Weights only load failed" not in str(exc)
+        return not _refused_by_weights_only(exc)
     message = str(exc)
     return isinstance(exc, RuntimeError) and any(
         s in message for s in ("PytorchStreamReader", "magic number", "zip archive"))
@@ -65,7 +70,7 @@ def explain_unreadable_checkpoints(load):
             # torch writes zip files; a file that is not one is damaged (or not a checkpoint)
             not_a_zip = (isinstance(path, str) and os.path.isfile(path)
                          and not zipfile.is_zipfile(path))
-            if not (_unreadable(e) or not_a_zip):
+            if _refused_by_weights_only(e) or not (_unreadable(e) or not_a_zip):
                 raise
             first = ("not the zip archive torch writes" if not_a_zip
                      else (str(e).strip().splitlines() or [type(e).__name__])[0])

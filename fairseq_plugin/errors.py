@@ -1,14 +1,21 @@
 """One clear line for bad input.
 
-Errors the user can fix (a bad flag combination, a sentence that is too long, a
-checkpoint that cannot be read) raise :class:`PluginError`; fairseq's own "sentence too long"
-error already names its fix and gets the same treatment. Library callers get a
-normal exception; on the command line (fairseq-train, fairseq-generate, ...) the
-hook below prints only ``fairseq_plugin: error: <what is wrong and how to fix it>``
-instead of a traceback, and exits with status 1.
+Errors the user can fix (a bad flag combination, a sentence that is too long, a checkpoint that
+cannot be read) raise :class:`PluginError`; fairseq's own "sentence too long" error already names
+its fix and gets the same treatment. Library callers get a normal exception; on the command line
+(fairseq-train, fairseq-generate, ...) the hook below prints only
+``fairseq_plugin: error: <what is wrong and how to fix it>`` instead of a traceback, and exits
+with status 1. ``FAIRSEQ_PLUGIN_TRACEBACK=1`` in the environment shows the full traceback instead.
 """
 
+import os
 import sys
+
+TRACEBACK_VARIABLE = "FAIRSEQ_PLUGIN_TRACEBACK"
+
+# fairseq re-raises a failed --restore-file as a new Exception with this message, inside the
+# ``except`` block of the original error (which is then its __context__)
+_FAIRSEQ_REWRAPS = ("Cannot load model parameters from checkpoint",)
 
 
 class PluginError(ValueError):
@@ -16,15 +23,23 @@ class PluginError(ValueError):
 
 
 def one_line_error(exc: BaseException):
-    """The message to print alone, or None: our own errors (also when fairseq re-raises them,
-    as --restore-file does with "Cannot load model parameters ..."), and fairseq's "Size of
-    sample #N is invalid ... skip this example with --skip-invalid-size-inputs-valid-test",
-    which already says what is wrong and how to fix it."""
+    """The message to print alone, or None (a full traceback then).
+
+    Our own errors, also when fairseq re-raises them (``raise ... from`` them, or the known
+    re-raise of --restore-file); fairseq's "Size of sample #N is invalid ... skip this example
+    with --skip-invalid-size-inputs-valid-test", which already says what is wrong and how to fix
+    it. An unrelated error raised while a PluginError was being handled keeps its traceback.
+    """
     seen = exc
     while seen is not None:
         if isinstance(seen, PluginError):
             return str(seen)
-        seen = seen.__cause__ or seen.__context__
+        if seen.__cause__ is not None:
+            seen = seen.__cause__
+        elif type(seen) is Exception and str(seen).startswith(_FAIRSEQ_REWRAPS):
+            seen = seen.__context__
+        else:
+            break
     if type(exc) is Exception and str(exc).startswith("Size of sample #"):
         return str(exc)
     return None
@@ -33,7 +48,7 @@ def one_line_error(exc: BaseException):
 def _print_plugin_errors_as_one_line(previous_hook):
     def hook(exc_type, exc, tb):
         message = one_line_error(exc)
-        if message is not None:
+        if message is not None and os.environ.get(TRACEBACK_VARIABLE, "") in ("", "0"):
             sys.stderr.write(f"fairseq_plugin: error: {message}\n")
             sys.stderr.flush()
         else:

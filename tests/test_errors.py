@@ -1,0 +1,84 @@
+"""One line for user errors, the full traceback on request, and no wrong diagnosis."""
+
+import fractions
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from fairseq import checkpoint_utils
+
+from fairseq_plugin.errors import TRACEBACK_VARIABLE, PluginError, one_line_error
+
+RAISE = ("import fairseq_plugin\n"
+         "def load():\n"
+         "    raise fairseq_plugin.PluginError('the checkpoint is wrong; use another')\n"
+         "{body}\n")
+
+
+def run_python(body, **env):
+    code = RAISE.format(body=body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(
+                              os.path.abspath(__file__))))
+
+
+def raised(f):
+    try:
+        f()
+    except BaseException as e:  # noqa: B902
+        return e
+    raise AssertionError("nothing raised")
+
+
+def test_a_plugin_error_is_one_line_and_the_traceback_is_there_on_request():
+    proc = run_python("load()")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1:] == [
+        "fairseq_plugin: error: the checkpoint is wrong; use another"]
+    assert "Traceback" not in proc.stderr
+    proc = run_python("load()", **{TRACEBACK_VARIABLE: "1"})
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr and "in load" in proc.stderr
+
+
+def test_an_unrelated_error_while_a_plugin_error_unwinds_keeps_its_traceback():
+    proc = run_python("try:\n    load()\nexcept fairseq_plugin.PluginError:\n    {}['missing']")
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "KeyError: 'missing'" in proc.stderr
+
+
+def test_plugin_errors_re_raised_by_fairseq_stay_one_line():
+    def restore():  # what fairseq's trainer does with a failed --restore-file
+        try:
+            raise PluginError("the checkpoint does not hold this model's parameters")
+        except Exception:
+            raise Exception("Cannot load model parameters from checkpoint x.pt; please ensure "
+                            "that the architectures match.")
+
+    def wrapped():
+        try:
+            raise PluginError("bad input")
+        except PluginError as e:
+            raise RuntimeError("while loading") from e
+
+    def unrelated():
+        try:
+            raise PluginError("bad input")
+        except PluginError:
+            raise RuntimeError("a bug in the handler")
+
+    assert one_line_error(raised(restore)) == "the checkpoint does not hold this model's parameters"
+    assert one_line_error(raised(wrapped)) == "bad input"
+    assert one_line_error(raised(unrelated)) is None
+
+
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_a_checkpoint_refused_by_weights_only_is_not_called_damaged(tmp_path, zip_format):
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": {}, "extra": fractions.Fraction(1, 3)}, path,
+               _use_new_zipfile_serialization=zip_format)
+    error = raised(lambda: checkpoint_utils.load_checkpoint_to_cpu(str(path)))
+    assert not isinstance(error, PluginError)
+    assert "Weights only load failed" in str(error) and "damaged" not in str(error)
