@@ -1,9 +1,11 @@
 """Shared by the commands and demos: the plugin's location and running fairseq's CLIs."""
 
 import os
+import re
 import shlex
 import subprocess
 import sys
+from typing import Optional
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,10 +20,27 @@ def fairseq_cli(name: str) -> str:
     return os.path.join(os.path.dirname(sys.executable), name)
 
 
-def run(cmd, log_path, echo_if=None):
-    """Run a command, log all its output, echo the lines containing ``echo_if``."""
+_PROGRESS = re.compile(r"epoch (\d+):\s+(\d+) / (\d+) .*?\bups=([\d.]+)")
+
+
+def training_progress(line: str, epochs: Optional[int] = None) -> Optional[str]:
+    """fairseq-train's per-interval line (--log-format simple) as a progress line with the speed
+    and an estimate of the time left, or None for other lines."""
+    m = _PROGRESS.search(line)
+    if m is None or "train_inner" not in line:
+        return None
+    epoch, done, total, ups = int(m[1]), int(m[2]), int(m[3]), float(m[4])
+    left = total - done + (max(epochs - epoch, 0) * total if epochs else 0)
+    when = f"about {left / ups / 60:.1f} min left" if ups > 0 else "time left unknown"
+    scope = "in all" if epochs else "in this epoch"
+    return f"epoch {epoch}: update {done}/{total}, {ups:.2f} updates/s, {when} {scope}"
+
+
+def run(cmd, log_path, echo_if=None, epochs=None, echo=print):
+    """Run a command and log all its output as it comes; echo the lines containing ``echo_if``
+    and, for fairseq-train, a progress line per log interval (``epochs``: for the estimate)."""
     cmd = [str(c) for c in cmd]
-    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    echo("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     with open(log_path, "w") as log:
         # unbuffered: a child writing to a pipe would otherwise hold its lines back for minutes
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -30,8 +49,11 @@ def run(cmd, log_path, echo_if=None):
         for line in proc.stdout:
             log.write(line)
             log.flush()
-            if echo_if and echo_if in line:
-                print("  " + line.split(" | ", 3)[-1].rstrip(), flush=True)
+            progress = training_progress(line, epochs)
+            if progress is not None:
+                echo("  " + progress, flush=True)
+            elif echo_if and echo_if in line:
+                echo("  " + line.split(" | ", 3)[-1].rstrip(), flush=True)
         if proc.wait() != 0:
             sys.exit(f"error: {os.path.basename(cmd[0])} failed (exit {proc.returncode}); "
                      f"see {log_path}")

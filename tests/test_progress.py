@@ -1,0 +1,31 @@
+"""Long steps show progress while they run, not when they end."""
+
+import sys
+import time
+
+from fairseq_plugin.cli.common import run, training_progress
+
+LINE = ("2026-11-23 05:00:00 | INFO | train_inner | epoch 002:     40 / 160 loss=5.1, "
+        "nll_loss=4.2, ppl=18.4, wps=4900, ups=2.50, wpb=1960, num_updates=200, lr=0.0005")
+
+
+def test_a_training_interval_becomes_a_progress_line_with_speed_and_time_left():
+    assert training_progress(LINE, epochs=5) == (
+        "epoch 2: update 40/160, 2.50 updates/s, about 4.0 min left in all")
+    assert training_progress(LINE) == (
+        "epoch 2: update 40/160, 2.50 updates/s, about 0.8 min left in this epoch")
+    assert training_progress("2026 | INFO | valid | epoch 002 | valid on 'valid' subset") is None
+
+
+def test_the_runner_echoes_a_line_before_the_child_exits(tmp_path):
+    # the child writes to a pipe without flushing: only an unbuffered child shows it at once
+    child = f"import time; print({LINE!r}); time.sleep(3); print('done')"
+    seen = []
+    start = time.monotonic()
+    run([sys.executable, "-c", child], tmp_path / "train.log", epochs=5,
+        echo=lambda text, flush=True: seen.append((time.monotonic() - start, text)))
+    finished = time.monotonic() - start
+    progress = [(t, text) for t, text in seen if "updates/s" in text]
+    assert len(progress) == 1
+    assert progress[0][0] < finished - 2.0  # shown about 3 s before the child exits
+    assert (tmp_path / "train.log").read_text().splitlines() == [LINE, "done"]
