@@ -17,8 +17,9 @@ def test_a_training_interval_becomes_a_progress_line_with_speed_and_time_left():
     assert training_progress("2026 | INFO | valid | epoch 002 | valid on 'valid' subset") is None
 
 
-def test_the_runner_echoes_a_line_before_the_child_exits(tmp_path):
+def test_the_runner_echoes_a_line_before_the_child_exits(tmp_path, monkeypatch):
     # the child writes to a pipe without flushing: only an unbuffered child shows it at once
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
     child = f"import time; print({LINE!r}); time.sleep(3); print('done')"
     seen = []
     start = time.monotonic()
