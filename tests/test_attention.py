@@ -96,15 +96,28 @@ def test_fully_padded_row_gives_zeros_not_nan(need_weights):
 
 
 def test_fully_padded_row_zeroed_also_on_torch_without_it(monkeypatch):
-    """The explicit zeroing used for torch < 2.5 gives the same result."""
+    """torch < 2.5's fused kernel returns NaN for a query that may see no key; the zeroing used
+    there gives the same result as the written-out formula."""
+    import torch.nn.functional as F
+
     from fairseq_plugin.modules import attention as attention_module
+
+    sdpa = F.scaled_dot_product_attention
+
+    def old_sdpa(q, k, v, attn_mask=None, **kwargs):  # NaN where a row sees nothing
+        out = sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+        return out.masked_fill(~attn_mask.any(-1, keepdim=True), float("nan"))
 
     attn = MultiHeadedAttention(4, 32, self_attention=False).eval()
     x, memory = torch.randn(2, 3, 32), torch.randn(2, 4, 32)
     pad = torch.tensor([[False, False, True, True], [True] * 4])
+    attn.kernel = EXPLICIT
     expected, _ = attn(x, memory, mask=pad_mask(pad))
+    attn.kernel = FUSED
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", old_sdpa)
     monkeypatch.setattr(attention_module, "_SDPA_ZEROES_EMPTY_ROWS", False)
     out, _ = attn(x, memory, mask=pad_mask(pad))
+    assert not torch.isnan(out).any()
     assert torch.allclose(out, expected, atol=1e-6)
 
 

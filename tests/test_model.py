@@ -1,5 +1,6 @@
 """The model as fairseq builds it: sharing, gradients, bad configurations."""
 
+import math
 import os
 from argparse import Namespace
 
@@ -111,9 +112,10 @@ def test_too_long_source_is_a_clear_error():
         model.encoder(random_tokens(d, 1, 9))
 
 
-def test_a_working_transformer_command_parses_with_the_annotated_arch(tmp_path):
-    """fairseq's IWSLT'14 example command, with only the --arch swapped."""
-    from fairseq import options
+def test_a_working_transformer_command_builds_and_trains_with_the_annotated_arch(tmp_path):
+    """fairseq's IWSLT'14 example command, with only the --arch swapped: the same settings, and
+    fairseq's task builds the model and criterion, which take a training step."""
+    from fairseq import options, tasks
 
     command = ("DATA --arch {arch} --share-decoder-input-output-embed --optimizer adam "
                "--adam-betas (0.9,0.98) --clip-norm 0.0 --lr 5e-4 --lr-scheduler inverse_sqrt "
@@ -125,7 +127,12 @@ def test_a_working_transformer_command_parses_with_the_annotated_arch(tmp_path):
                "--encoder-attention-heads 4 --decoder-attention-heads 4 --encoder-learned-pos "
                "--decoder-learned-pos --encoder-normalize-before --decoder-normalize-before "
                "--max-source-positions 256 --max-target-positions 256 --no-scale-embedding "
+               "--source-lang de --target-lang en "
                "--user-dir " + os.path.dirname(fairseq_plugin.__file__))
+    d = make_dictionary(40)
+    for lang in ("de", "en"):
+        d.save(str(tmp_path / f"dict.{lang}.txt"))
+    command = command.replace("DATA", str(tmp_path))
     parsed = {}
     for arch in ("transformer_iwslt_de_en", "annotated_transformer_iwslt_de_en"):
         parser = options.get_training_parser()
@@ -136,6 +143,23 @@ def test_a_working_transformer_command_parses_with_the_annotated_arch(tmp_path):
                  "share_decoder_input_output_embed", "encoder_learned_pos",
                  "max_source_positions", "no_scale_embedding"):
         assert getattr(ours, name) == getattr(parsed["transformer_iwslt_de_en"], name), name
+    task = tasks.setup_task(ours)
+    model, criterion = task.build_model(ours), task.build_criterion(ours)
+    assert type(model).__name__ == "AnnotatedTransformerModel"
+    src, tgt = random_tokens(d, 4, 7), random_tokens(d, 4, 6)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((4,), 7),
+                            "prev_output_tokens": torch.roll(tgt, 1, 1)},
+              "target": tgt, "ntokens": tgt.numel()}
+    optimizer = torch.optim.Adam(model.parameters(), lr=5e-4)
+    model.train()
+    losses = []
+    for _ in range(3):
+        loss, _, _ = criterion(model, sample)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
 
 
 def padded_targets(d, lengths, left_pad=False):
