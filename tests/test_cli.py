@@ -205,3 +205,18 @@ def test_interactive_skips_empty_and_over_long_lines_and_goes_on(reverse_run):
     assert "skipped an empty input line" in proc.stderr
     assert (f'skipped input "{too_long[:37]}...": 1101 tokens, more than the model\'s 1024 '
             f'(--max-source-positions)') in proc.stderr
+
+
+def test_python_api_translates_the_reverse_task_like_fairseq_generate(reverse_run, generated):
+    """The hub interface on a model that has learned its task: distinct inputs get distinct
+    (correct) outputs, the same as fairseq-generate's."""
+    from fairseq_plugin import AnnotatedTransformerModel
+
+    hub = AnnotatedTransformerModel.from_pretrained(
+        str(reverse_run["checkpoint"].parent), checkpoint_file=reverse_run["checkpoint"].name,
+        data_name_or_path=str(reverse_run["data_bin"]), source_lang="src", target_lang="tgt")
+    items = [generated[i] for i in sorted(generated)[:20]]
+    translations = [hub.translate(source, beam=5) for source, _, _ in items]
+    assert translations == [hypothesis for _, _, hypothesis in items]
+    assert len(set(translations)) == len(translations)
+    assert sum(t == " ".join(reversed(s.split())) for t, (s, _, _) in zip(translations, items)) >= 18

@@ -176,3 +176,23 @@ def test_options_ctranslate2_does_not_support_are_refused_in_one_line(tmp_path):
                                           "--no-token-positional-embeddings is not supported"):
         to_ctranslate2(exported, str(tmp_path), str(tmp_path / "ct2"), args, force=False)
     assert not (tmp_path / "ct2").exists()
+
+
+def test_an_export_whose_logits_differ_is_refused_and_writes_nothing(reverse_run, tmp_path,
+                                                                      monkeypatch):
+    from fairseq_plugin import export as export_module
+
+    convert = export_module.transformer_state_dict
+
+    def slightly_wrong(*args, **kwargs):  # a mapping bug: one weight off by 0.01
+        mapped = convert(*args, **kwargs)
+        name = next(k for k in mapped if k.endswith("layers.0.fc1.weight"))
+        mapped[name] = mapped[name] + 0.01
+        return mapped
+
+    monkeypatch.setattr(export_module, "transformer_state_dict", slightly_wrong)
+    out = tmp_path / "transformer.pt"
+    with pytest.raises(PluginError, match=r"logits differ by .* \(more than 0.0001\)"):
+        export_module.export(str(reverse_run["checkpoint"]), str(out),
+                             str(reverse_run["data_bin"]), log=lambda *_: None)
+    assert not out.exists()
