@@ -220,3 +220,27 @@ def test_python_api_translates_the_reverse_task_like_fairseq_generate(reverse_ru
     assert translations == [hypothesis for _, _, hypothesis in items]
     assert len(set(translations)) == len(translations)
     assert sum(t == " ".join(reversed(s.split())) for t, (s, _, _) in zip(translations, items)) >= 18
+
+
+def test_heatmaps_of_the_reverse_model_show_its_anti_diagonal_source_attention(reverse_run,
+                                                                                generated):
+    """Heat-map content, not only its form: output token i of the reverse task attends to source
+    token n - 1 - i (last decoder layer, averaged over heads)."""
+    from fairseq_plugin import AnnotatedTransformerModel
+    from fairseq_plugin.cli.heatmaps import attention_maps
+
+    hub = AnnotatedTransformerModel.from_pretrained(
+        str(reverse_run["checkpoint"].parent), checkpoint_file=reverse_run["checkpoint"].name,
+        data_name_or_path=str(reverse_run["data_bin"]), source_lang="src", target_lang="tgt")
+    hits = total = 0
+    for i in sorted(generated)[:5]:
+        source = generated[i][0]
+        _, _, _, _, maps = attention_maps(hub, source, beam=5)
+        last = max(layer for layer, _ in maps["decoder_source"])
+        heads = [torch.tensor(w) for (layer, _), w in maps["decoder_source"].items()
+                 if layer == last]
+        weights = torch.stack(heads).mean(0)  # (output tokens + eos, source tokens + eos)
+        n = len(source.split())
+        hits += sum(int(weights[j, :n].argmax()) == n - 1 - j for j in range(n))
+        total += n
+    assert hits >= 0.8 * total
