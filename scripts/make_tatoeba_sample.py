@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """Make the bundled Tatoeba German-English sample (examples/tatoeba/data) from the full corpus.
 
-Tatoeba (tatoeba.org, packaged by www.manythings.org/anki), CC BY 2.0. English sentences repeat
-with alternative German translations, so the split is by unique English sentence: no test or
-valid English sentence (nor any of its German versions) is seen in training. Test and valid keep
-one pair per English sentence. Only pairs whose English side has MIN..MAX words are used, which
-keeps the demo trainable on a CPU in minutes.
+Tatoeba (tatoeba.org, packaged by www.manythings.org/anki), CC BY 2.0. Sentences repeat on both
+sides (one English sentence with several German translations and the other way round), so pairs
+are grouped: two pairs are in one group when they share their German or their English side after
+the preparation's normalisation and tokenisation (annotated-prepare's MosesPipeline), and groups
+are connected through shared sentences. Valid and test take one pair from each of their groups;
+training takes pairs only from the other groups, so no valid or test sentence, on either side,
+occurs in training. Only pairs whose English side has MIN..MAX words are used, which keeps the
+demo trainable on a CPU in minutes.
 
 Usage: make_tatoeba_sample.py FULL_DIR OUT_DIR   (FULL_DIR holds full.de, full.en, _about.txt)
 """
@@ -18,13 +21,38 @@ import random
 import shutil
 
 
+def connected_groups(pairs):
+    """Indices of ``pairs`` grouped so that pairs sharing a normalised German or English sentence
+    (directly or through other pairs) are in one group; groups in order of first appearance."""
+    from fairseq_plugin.cli.prepare import MosesPipeline
+
+    normalise = {"de": MosesPipeline("de"), "en": MosesPipeline("en")}
+    parent = list(range(len(pairs)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first_with = {}  # (language, normalised sentence) -> the first pair that has it
+    for i, (d, e) in enumerate(pairs):
+        for key in (("de", normalise["de"](d)), ("en", normalise["en"](e))):
+            j = first_with.setdefault(key, i)
+            parent[root(i)] = root(j)
+    groups = collections.OrderedDict()
+    for i in range(len(pairs)):
+        groups.setdefault(root(i), []).append(i)
+    return list(groups.values())
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("full_dir")
     p.add_argument("out_dir")
     p.add_argument("--train-pairs", type=int, default=60000)
-    p.add_argument("--valid", type=int, default=1000, help="unique English sentences")
-    p.add_argument("--test", type=int, default=1000, help="unique English sentences")
+    p.add_argument("--valid", type=int, default=1000, help="pairs (one per group)")
+    p.add_argument("--test", type=int, default=1000, help="pairs (one per group)")
     p.add_argument("--min-words", type=int, default=3)
     p.add_argument("--max-words", type=int, default=10)
     p.add_argument("--seed", type=int, default=1)
@@ -37,25 +65,19 @@ def main(argv=None):
     if len(de) != len(en):
         raise SystemExit(f"error: full.de has {len(de)} lines but full.en has {len(en)}")
 
-    by_english = collections.OrderedDict()
-    for d, e in zip(de, en):
-        if d and e and args.min_words <= len(e.split()) <= args.max_words:
-            by_english.setdefault(e, []).append(d)
-    english = list(by_english)
+    pairs = [(d, e) for d, e in zip(de, en)
+             if d and e and args.min_words <= len(e.split()) <= args.max_words]
+    groups = connected_groups(pairs)
     rng = random.Random(args.seed)
-    rng.shuffle(english)
-    test_en = english[: args.test]
-    valid_en = english[args.test: args.test + args.valid]
-    train_pairs = [(d, e) for e in english[args.test + args.valid:] for d in by_english[e]]
+    rng.shuffle(groups)
+    test = [pairs[group[0]] for group in groups[: args.test]]
+    valid = [pairs[group[0]] for group in groups[args.test: args.test + args.valid]]
+    train_pairs = [pairs[i] for group in groups[args.test + args.valid:] for i in group]
     rng.shuffle(train_pairs)
     train_pairs = train_pairs[: args.train_pairs]
 
     os.makedirs(args.out_dir, exist_ok=True)
-    splits = {
-        "train": train_pairs,
-        "valid": [(by_english[e][0], e) for e in valid_en],
-        "test": [(by_english[e][0], e) for e in test_en],
-    }
+    splits = {"train": train_pairs, "valid": valid, "test": test}
     for split, pairs in splits.items():
         for lang, side in (("de", 0), ("en", 1)):
             # mtime=0: the same input gives byte-identical files
