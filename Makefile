@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 WORK ?= work
 
-.PHONY: demo demo-reverse test install clean
+.PHONY: demo demo-reverse test test-gpu install clean
 
 $(VENV)/.deps: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ demo-reverse: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# the tests whose behaviour depends on the device, on a CUDA GPU (skipped, with the reason, without)
+test-gpu: install
+	$(PY) -m pytest -q -m cuda -rs tests
 
 clean:
 	rm -rf $(VENV) $(WORK) build *.egg-info

@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 from argparse import Namespace
@@ -48,7 +49,10 @@ def cli(name, *args, env=None, check=True, input=None, cwd=None, timeout=900):
     """Run one of fairseq's CLIs from this venv without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD."""
     e = dict(os.environ if env is None else env)
     e.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
-    proc = subprocess.run([os.path.join(BIN, name), *map(str, args)], capture_output=True,
+    path = os.path.join(BIN, name)
+    if not os.path.exists(path):  # installed elsewhere (pip install --target, on a GPU node)
+        path = shutil.which(name) or path
+    proc = subprocess.run([path, *map(str, args)], capture_output=True,
                           text=True, env=e, input=input, cwd=cwd, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n"

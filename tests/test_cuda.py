@@ -1,0 +1,111 @@
+"""The device-dependent paths on a CUDA GPU (``make test-gpu``; skipped without CUDA).
+
+On CUDA the model takes branches the CPU suite only forces: the fused attention kernel in
+decoding steps and with dropout in training, ``F.dropout`` instead of the CPU mask, half-precision
+kernels. These tests run them for real, and the reverse task end to end in mixed precision.
+"""
+
+import os
+
+import pytest
+import torch
+from fairseq.sequence_generator import SequenceGenerator
+
+from conftest import (REVERSE_SEED, build_tiny_model, cli, make_dictionary, random_tokens,
+                      reverse_data_bin)
+from fairseq_plugin.cli import reverse_task
+from fairseq_plugin.modules.attention import EXPLICIT, FUSED, MultiHeadedAttention
+from fairseq_plugin.testing.recomputing import without_cache
+
+# ANNOTATED_TEST_DEVICE=cpu runs the same tests on the CPU (to check the tests themselves)
+DEVICE = os.environ.get("ANNOTATED_TEST_DEVICE", "cuda")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
+    DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+HALF_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_and_written_out_attention_agree_on_cuda(dtype, causal):
+    attn = MultiHeadedAttention(4, 64, self_attention=True).to(DEVICE).to(dtype).eval()
+    x = torch.randn(3, 9, 64, device=DEVICE, dtype=dtype)
+    pad = torch.zeros(3, 9, dtype=torch.bool, device=DEVICE)
+    pad[1, 6:] = True
+    pad[2, :] = True  # a fully padded row: zeros, not NaN
+    mask = ~pad[:, None, None, :]
+    outs = {}
+    for kernel in (FUSED, EXPLICIT):
+        attn.kernel = kernel
+        outs[kernel] = attn(x, mask=mask, causal=causal)[0].float()
+    assert torch.isfinite(outs[FUSED]).all()
+    assert (outs[FUSED] - outs[EXPLICIT]).abs().max() <= HALF_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_incremental_decoding_equals_a_full_pass_on_cuda(dtype):
+    d = make_dictionary()
+    model = build_tiny_model(d).to(DEVICE).to(dtype)
+    src = random_tokens(d, 4, 7).to(DEVICE)
+    src[1, :3] = d.pad()
+    tgt = torch.cat([torch.full((4, 1), d.eos()), random_tokens(d, 4, 8)], 1).to(DEVICE)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src.ne(d.pad()).sum(1))
+        full = model.decoder(tgt, encoder_out=encoder_out)[0]
+        state, steps = {}, []
+        for t in range(1, tgt.size(1) + 1):
+            steps.append(model.decoder(tgt[:, :t], encoder_out=encoder_out,
+                                       incremental_state=state)[0])
+    diff = (torch.cat(steps, 1) - full).abs().max()
+    assert diff <= HALF_TOLERANCE[dtype] * 10
+
+
+def test_beam_search_is_the_same_with_and_without_the_cache_on_cuda():
+    d = make_dictionary(40)
+    model = build_tiny_model(d).to(DEVICE)
+    with torch.no_grad():
+        model.decoder.generator.proj.weight.mul_(4.0)
+    src = random_tokens(d, 5, 8).to(DEVICE)
+    src[:, -1] = d.eos()
+    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((5,), 8).to(DEVICE)}}
+
+    def generate(m):
+        with torch.no_grad():
+            return SequenceGenerator([m], d, beam_size=4, max_len_b=12).generate([m], sample)
+
+    for a, b in zip(generate(model), generate(without_cache(model))):
+        assert [h["tokens"].tolist() for h in a] == [h["tokens"].tolist() for h in b]
+
+
+def test_training_on_cuda_uses_torch_dropout_and_the_fused_kernel():
+    d = make_dictionary()
+    model = build_tiny_model(d, dropout=0.3, attention_dropout=0.1).to(DEVICE).train()
+    src, tgt = random_tokens(d, 4, 7).to(DEVICE), random_tokens(d, 4, 6).to(DEVICE)
+    logits = model(src, torch.full((4,), 7).to(DEVICE), tgt)[0]
+    logits.float().pow(2).mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def reverse_bin(tmp_path_factory):
+    return reverse_data_bin(tmp_path_factory.mktemp("reverse-gpu"))
+
+
+@pytest.mark.parametrize("precision", ["--fp16", "--bf16", "--amp"])
+def test_reverse_task_in_mixed_precision_reaches_the_cpu_bar_and_translates_alike_on_cpu(
+        reverse_bin, tmp_path, precision):
+    save = tmp_path / "checkpoints"
+    command = reverse_task.train_command(str(reverse_bin), str(save), 30, seed=REVERSE_SEED)
+    command = [c for c in command if c != "--cpu"] + [precision]
+    cli(*command)
+    checkpoint = str(save / "checkpoint_last.pt")
+    outputs = {}
+    for device in ("cuda", "cpu"):
+        command = reverse_task.generate_command(str(reverse_bin), checkpoint, beam=5)
+        if device == "cuda":
+            command = [c for c in command if c != "--cpu"]
+        path = tmp_path / f"generate-{device}.txt"
+        path.write_text(cli(*command).stdout)
+        outputs[device] = reverse_task.read_generate_output(str(path))
+    assert reverse_task.exact_match(outputs["cuda"]) >= 0.95
+    assert outputs["cuda"] == outputs["cpu"]
