@@ -78,14 +78,16 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         """src_tokens (B, S) -> {"encoder_out": [(B, S, d)], "encoder_padding_mask": [(B, S)], ...}"""
         padding_mask = src_tokens.eq(self.padding_idx)  # (B, S), True at padding
         mask = ~padding_mask[:, None, None, :] if padding_mask.any() else None  # (B, 1, 1, S)
-        packing = real_positions(padding_mask, self.skip_padding)
         x = self.embed(src_tokens, positions_of(src_tokens, self.padding_idx))
         states = [x] if return_all_hiddens else []
+        # in training, position-wise work on real tokens only (modules/packing.py)
+        packing = real_positions(padding_mask, self.skip_padding and self.training)
+        x = packing.pack(x)
         for layer in self.layers:
-            x = layer.attention_sublayer(x, mask)
-            x = packing.positionwise(layer.feed_forward_sublayer, x)
+            x = packing.encoder_layer(layer, x, mask)
             if return_all_hiddens:
-                states.append(x)
+                states.append(packing.unpack(x))
+        x = packing.unpack(x)
         if self.norm is not None:
             x = self.norm(x)
         return {
@@ -196,22 +198,24 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         tgt_padding = prev_output_tokens.eq(self.padding_idx)  # (B, T)
         left_padded = bool((tgt_padding[:, :-1] & ~tgt_padding[:, 1:]).any())
         tgt_mask = ~tgt_padding[:, None, None, :] if left_padded else None
-        packing = real_positions(tgt_padding, self.skip_padding and incremental_state is None)
 
         memory = encoder_out["encoder_out"][0]  # (B, S, d_enc)
         want_attn = alignment_layer is not None or (self.need_attn and not self.training)
         if alignment_layer is None:
             alignment_layer = len(self.layers) - 1
         x = self.embed(prev_output_tokens, positions)  # (B, T, d)
+        # in training, position-wise work on real tokens only (modules/packing.py)
+        packing = real_positions(tgt_padding, self.skip_padding and self.training and not want_attn)
+        x = packing.pack(x)
         attn, inner_states = None, [x]
         for i, layer in enumerate(self.layers):
-            x, layer_attn = layer.attention_sublayers(
-                x, memory, tgt_mask, src_mask, incremental_state,
-                need_attn=want_attn and i == alignment_layer)
-            x = packing.positionwise(layer.feed_forward_sublayer, x)
+            x, layer_attn = packing.decoder_layer(layer, x, memory, tgt_mask, src_mask,
+                                                  incremental_state,
+                                                  need_attn=want_attn and i == alignment_layer)
             inner_states.append(x)
             if i == alignment_layer:
                 attn = layer_attn
+        x, inner_states = packing.unpack(x), [packing.unpack(s) for s in inner_states]
         if attn is not None:  # (B, h, T, S) -> (B, T, S)
             if alignment_heads is not None:
                 attn = attn[:, :alignment_heads]

@@ -62,13 +62,7 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: Tensor, mask: Optional[Tensor]) -> Tensor:
         """x (B, S, d_model); mask (B, 1, 1, S), True at real tokens, or None."""
-        return self.feed_forward_sublayer(self.attention_sublayer(x, mask))
-
-    def attention_sublayer(self, x: Tensor, mask: Optional[Tensor]) -> Tensor:
-        return self.sublayer[0](x, lambda y: self.self_attn(y, mask=mask)[0])
-
-    def feed_forward_sublayer(self, x: Tensor) -> Tensor:
-        """Position-wise: x (..., d_model), any layout of positions."""
+        x = self.sublayer[0](x, lambda y: self.self_attn(y, mask=mask)[0])
         return self.sublayer[1](x, self.feed_forward)
 
 
@@ -93,12 +87,6 @@ class DecoderLayer(nn.Module):
         """x (B, T, d_model), memory (B, S, d_model); tgt_mask (B, 1, 1, T) / src_mask
         (B, 1, 1, S), True at real tokens, or None. Self-attention is causal.
         Returns x and, if need_attn, the source attention (B, h, T, S)."""
-        x, attn = self.attention_sublayers(x, memory, tgt_mask, src_mask, incremental_state,
-                                           need_attn)
-        return self.feed_forward_sublayer(x), attn
-
-    def attention_sublayers(self, x, memory, tgt_mask, src_mask, incremental_state=None,
-                            need_attn=False) -> Tuple[Tensor, Optional[Tensor]]:
         x = self.sublayer[0](x, lambda y: self.self_attn(
             y, mask=tgt_mask, causal=True, incremental_state=incremental_state)[0])
         weights = []
@@ -110,9 +98,5 @@ class DecoderLayer(nn.Module):
             return out
 
         x = self.sublayer[1](x, source_attention)
-        return x, weights[0]
-
-    def feed_forward_sublayer(self, x: Tensor) -> Tensor:
-        """Position-wise: x (..., d_model), any layout of positions."""
-        return self.sublayer[2](x, self.feed_forward)
+        return self.sublayer[2](x, self.feed_forward), weights[0]
 
