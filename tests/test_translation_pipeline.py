@@ -210,3 +210,28 @@ def test_attention_heatmaps_are_pngs_of_rows_summing_to_one(prepared, trained, t
     assert sorted(os.path.basename(p) for p in some) == [
         "decoder_self_layer1_head0.png", "decoder_source_layer1_head0.png",
         "encoder_self_layer1_head0.png"]
+
+
+@pytest.mark.xfail(strict=True, reason="the bundled sample was split by unique English sentence "
+                   "(112 German valid/test sentences occur in train); regenerate it with "
+                   "scripts/make_tatoeba_sample.py, which now splits by connected groups, "
+                   "re-measure make demo, then drop this mark")
+def test_no_valid_or_test_sentence_of_the_bundled_sample_occurs_in_its_training_data():
+    """On either side, after the preparation's normalisation and tokenisation."""
+    from fairseq_plugin.cli.prepare import MosesPipeline
+
+    def read(split, lang):
+        with gzip.open(os.path.join(BUNDLED, f"{split}.{lang}.gz"), "rt", encoding="utf-8") as f:
+            return [line.rstrip("\n") for line in f]
+
+    def letters(sentence):  # equal normalised sentences have equal letters and digits
+        return "".join(c for c in sentence if c.isalnum())
+
+    for lang in ("de", "en"):
+        normalise = MosesPipeline(lang)
+        train = {}
+        for sentence in read("train", lang):
+            train.setdefault(letters(sentence), set()).add(sentence)
+        leaks = [(split, s, t) for split in ("valid", "test") for s in read(split, lang)
+                 for t in train.get(letters(s), ()) if normalise(t) == normalise(s)]
+        assert not leaks, f"{len(leaks)} {lang} sentences leak into train, e.g. {leaks[:3]}"
