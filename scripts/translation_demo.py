@@ -58,7 +58,7 @@ def main(argv=None):
         os.path.join(w, "train.log"), echo_if="valid on 'valid' subset", epochs=args.epochs)
     trained = time.time()
 
-    print("[3/3] fairseq-generate --beam 5, detokenised sacreBLEU on 1,000 unseen sentences",
+    print("[3/3] fairseq-generate --beam 5, detokenised sacreBLEU on the 1,000 test sentences",
           flush=True)
     hyps, settings = evaluate_bleu.generate_detokenised(data_bin,
                                                         os.path.join(ckpt, "checkpoint_last.pt"))
