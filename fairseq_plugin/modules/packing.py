@@ -18,9 +18,9 @@ from torch import Tensor
 
 from .attention import attend, choose_kernel
 
-# Packing copies activations; it pays for that only where a few per cent of the positions or more
+# Packing copies activations; it pays for that only where a per cent or two of the positions or more
 # are padding (fairseq batches sources by length: they have almost none)
-MIN_PADDING_SHARE = 0.05
+MIN_PADDING_SHARE = 0.02
 
 
 class Packing:
