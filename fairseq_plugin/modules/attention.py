@@ -212,7 +212,8 @@ class MultiHeadedAttention(nn.Module):
 @contextlib.contextmanager
 def recording_attention(model: nn.Module):
     """Keep the attention weights of every MultiHeadedAttention in ``model`` while inside:
-    yields {module name: [weights (B, h, T, S) of each call]}."""
+    yields {module name: [weights (B, h, T, S) of each call]}. For a model in evaluation mode
+    (in training, padded batches run the layers through packing.py, not ``forward``)."""
     records, handles = {}, []
     for name, m in model.named_modules():
         if isinstance(m, MultiHeadedAttention):
