@@ -40,8 +40,9 @@ allow_fairseq_checkpoints()
 
 
 def _refused_by_weights_only(exc: BaseException) -> bool:
-    """torch's restricted unpickler refused a class: the file is fine, the class is not allowed."""
-    return isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc)
+    """torch's restricted unpickler refused a class: the file is fine, the class is not allowed
+    (garbage bytes fail in the same unpickler, with "Unsupported operand" instead)."""
+    return isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc)
 
 
 def _unreadable(exc: BaseException) -> bool:

@@ -26,14 +26,14 @@ def test_reverse_task_reaches_95_percent_exact_match_with_beam_5(generated):
 
 
 def test_interactive_translates_stdin_like_generate(reverse_run, generated):
-    ids = sorted(generated)[:3]
+    ids = sorted(generated)[:10]
     sources = [generated[i][0] for i in ids]
     out = cli("fairseq-interactive", reverse_run["data_bin"], "--user-dir", PLUGIN_DIR,
               "--path", reverse_run["checkpoint"], "--beam", "5", "--source-lang", "src",
               "--target-lang", "tgt", "--cpu", input="\n".join(sources) + "\n")
     hyps = [line.split("\t")[2] for line in out.stdout.splitlines() if line.startswith("H-")]
     assert hyps == [generated[i][2] for i in ids]
-    assert hyps[0] == " ".join(reversed(sources[0].split()))
+    assert sum(h == " ".join(reversed(s.split())) for h, s in zip(hyps, sources)) >= 8
 
 
 def test_checkpoint_loads_with_weights_only_under_torch_2_6_without_env_var(reverse_run):
