@@ -196,7 +196,8 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         src_padding = encoder_out["encoder_padding_mask"][0]  # (B, S)
         src_mask = ~src_padding[:, None, None, :] if src_padding.any() else None
         tgt_padding = prev_output_tokens.eq(self.padding_idx)  # (B, T)
-        left_padded = bool((tgt_padding[:, :-1] & ~tgt_padding[:, 1:]).any())
+        left_padded = incremental_state is None and bool(  # one new token: nothing to hide
+            (tgt_padding[:, :-1] & ~tgt_padding[:, 1:]).any())
         tgt_mask = ~tgt_padding[:, None, None, :] if left_padded else None
 
         memory = encoder_out["encoder_out"][0]  # (B, S, d_enc)
