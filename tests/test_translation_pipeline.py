@@ -212,10 +212,6 @@ def test_attention_heatmaps_are_pngs_of_rows_summing_to_one(prepared, trained, t
         "encoder_self_layer1_head0.png"]
 
 
-@pytest.mark.xfail(strict=True, reason="the bundled sample was split by unique English sentence "
-                   "(112 German valid/test sentences occur in train); regenerate it with "
-                   "scripts/make_tatoeba_sample.py, which now splits by connected groups, "
-                   "re-measure make demo, then drop this mark")
 def test_no_valid_or_test_sentence_of_the_bundled_sample_occurs_in_its_training_data():
     """On either side, after the preparation's normalisation and tokenisation."""
     from fairseq_plugin.cli.prepare import MosesPipeline
