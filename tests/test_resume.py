@@ -1,7 +1,7 @@
 """Interrupt and resume: the second command continues the first, as with fairseq's transformer.
 
 The resume is proven rather than assumed: the resumed command's log says it loaded
-checkpoint_last.pt at epoch 1, it does not train epoch 1 again, its update count goes on from the
+checkpoint_last.pt after epoch 1, it does not train epoch 1 again, its update count goes on from the
 checkpoint's, and every update it makes is taken with the learning rate the uninterrupted run used
 for that update (read from the optimizer as the step runs), for fairseq's inverse_sqrt and for the
 plugin's noam. fairseq's resume is not bit-exact (its own transformer drifts too, see the README),
@@ -66,8 +66,10 @@ def resume_gap(data_bin, arch, schedule, tmp_path):
     stopped_at = max(first_rates)
     log, resumed_rates, resumed = train(data_bin, arch, schedule, stopped_dir, 2)
 
-    checkpoint = stopped_dir / "checkpoint_last.pt"
-    assert f"Loaded checkpoint {checkpoint} (epoch 1 @ {stopped_at} updates)" in log, log[-3000:]
+    # fairseq names the epoch the checkpoint's iterator continues with: 2, epoch 1 being done
+    loaded = [line for line in log.splitlines() if "Loaded checkpoint" in line]
+    assert loaded and loaded[0].endswith(f"Loaded checkpoint {stopped_dir / 'checkpoint_last.pt'} "
+                                         f"(epoch 2 @ {stopped_at} updates)"), loaded
     assert "begin training epoch 1\n" not in log and "begin training epoch 2" in log
     assert min(resumed_rates) == stopped_at + 1, "the update count restarted"
     assert resumed_rates == {u: lr for u, lr in whole_rates.items() if u > stopped_at}
