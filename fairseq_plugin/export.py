@@ -31,6 +31,7 @@ fairseq loads it with torch >= 2.6's ``weights_only`` default, without this plug
 """
 
 import argparse
+import contextlib
 import copy
 import os
 import shutil
@@ -40,9 +41,11 @@ from argparse import Namespace
 from typing import Dict, Optional
 
 import torch
+from omegaconf import OmegaConf, open_dict
 from torch import Tensor
 
 from .errors import PluginError
+from .models.annotated_transformer import resolved_model_config
 from .modules.embeddings import SinusoidalPositionalEncoding
 
 TOLERANCE = 1e-4  # max |logit difference| accepted between the two models
@@ -53,13 +56,13 @@ TOLERANCE = 1e-4  # max |logit difference| accepted between the two models
 # ---------------------------------------------------------------------------------------------
 
 def transformer_args(ours: Namespace) -> Namespace:
-    """fairseq ``transformer`` arguments equivalent to an annotated_transformer's."""
+    """fairseq ``transformer`` arguments equivalent to an annotated_transformer's (``ours``: its
+    options, and any task options to carry along)."""
     from fairseq.models.transformer.transformer_legacy import base_architecture
 
     args = copy.deepcopy(ours)
-    for name in ("post_norm", "encoder_normalize_before_flag", "decoder_normalize_before_flag"):
-        if hasattr(args, name):
-            delattr(args, name)
+    if hasattr(args, "post_norm"):
+        delattr(args, "post_norm")
     args.arch = args._name = "transformer"
     pre_ln = not getattr(ours, "post_norm", False)
     args.encoder_normalize_before = args.decoder_normalize_before = pre_ln
@@ -233,20 +236,27 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
             raise PluginError(f"{path} already exists; choose another output or pass --force")
     state = checkpoint_utils.load_checkpoint_to_cpu(checkpoint)  # plugin: one-line errors
     cfg = state["cfg"]
-    arch = cfg.model.arch if cfg.model is not None else None
-    if models.ARCH_MODEL_NAME_REGISTRY.get(arch) != "annotated_transformer":
+    ours_args = resolved_model_config(cfg.model) if cfg.model is not None else None
+    if ours_args is None:
+        arch = getattr(cfg.model, "_name", None) or getattr(cfg.model, "arch", None)
         raise PluginError(f"{checkpoint} is a '{arch}' checkpoint, not an annotated_transformer "
                           "one; only annotated_transformer checkpoints can be exported")
     data = data or cfg.task.data
     if not data or not os.path.isdir(data):
         raise PluginError(f"the data-bin '{data}' (with the dict.*.txt the model was trained "
                           "with) does not exist; pass it with --data")
-    ours_args = copy.deepcopy(cfg.model)
-    ours_args.data = data
-    task = tasks.setup_task(ours_args)
-    ours_model = task.build_model(ours_args)
+    task_cfg = copy.deepcopy(cfg.task)
+    with open_dict(task_cfg) if OmegaConf.is_config(task_cfg) else contextlib.nullcontext():
+        task_cfg.data = data
+    task = tasks.setup_task(task_cfg)
+    ours_model = task.build_model(copy.deepcopy(cfg.model))
     ours_model.load_state_dict(state["model"], strict=True)
 
+    # one flat Namespace, as fairseq's legacy transformer and CTranslate2's converter read it
+    task_options = (OmegaConf.to_container(task_cfg, resolve=True) if OmegaConf.is_config(task_cfg)
+                    else dict(vars(task_cfg)))
+    task_options["task"] = task_options.pop("_name", None) or task_options.get("task")
+    ours_args = Namespace(**{**task_options, **vars(ours_args)})
     args = transformer_args(ours_args)
     mapped = transformer_state_dict(state["model"], args, task.source_dictionary.pad(),
                                     task.target_dictionary.pad())

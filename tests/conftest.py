@@ -11,10 +11,7 @@ import torch
 import fairseq_plugin
 from fairseq.data import Dictionary
 from fairseq_plugin.cli import reverse_task
-from fairseq_plugin.models.annotated_transformer import (
-    AnnotatedTransformerModel,
-    annotated_transformer_tiny,
-)
+from fairseq.models import MODEL_REGISTRY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGIN_DIR = os.path.dirname(os.path.abspath(fairseq_plugin.__file__))
@@ -33,10 +30,8 @@ def build_tiny_model(dictionary=None, tgt_dictionary=None, **overrides):
     """annotated_transformer_tiny with random weights, in eval mode."""
     src = dictionary or make_dictionary()
     tgt = tgt_dictionary or src
-    args = Namespace(**overrides)
-    annotated_transformer_tiny(args)
     task = SimpleNamespace(source_dictionary=src, target_dictionary=tgt)
-    model = AnnotatedTransformerModel.build_model(args, task)
+    model = MODEL_REGISTRY["annotated_transformer_tiny"].build_model(Namespace(**overrides), task)
     return model.eval()
 
 

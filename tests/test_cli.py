@@ -9,7 +9,7 @@ import torch
 from fairseq.data import Dictionary
 
 from fairseq_plugin.cli import reverse_task
-from conftest import PLUGIN_DIR, REVERSE_EPOCHS, REVERSE_SEED, cli, preprocess_reverse
+from conftest import PLUGIN_DIR, REPO, REVERSE_EPOCHS, REVERSE_SEED, cli, preprocess_reverse
 
 
 def test_training_logs_noam_rate_and_label_smoothed_loss(reverse_run):
@@ -37,19 +37,22 @@ def test_interactive_translates_stdin_like_generate(reverse_run, generated):
 
 
 def test_checkpoint_loads_with_weights_only_under_torch_2_6_without_env_var(reverse_run):
+    """A checkpoint of this version holds plain containers only (the model's options are a
+    dataclass config); one written before (tests/data/pre_redesign) holds argparse.Namespace,
+    which the plugin's allowlist admits, and nothing else is admitted."""
     assert tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 6)
     script = (
         "import sys, torch\n"
-        "path = sys.argv[1]\n"
-        "try:\n"
-        "    torch.load(path)\n"
-        "    print('loaded-before-import')\n"
-        "except Exception as e:\n"
-        "    print('refused-before-import')\n"
+        "def load(path):\n"
+        "    try:\n"
+        "        state = torch.load(path)\n"  # default weights_only=True
+        "        return 'loaded' if state['args'] is None and 'cfg' in state else 'odd'\n"
+        "    except Exception as e:\n"
+        "        return 'refused'\n"
+        "print('before', load(sys.argv[1]), load(sys.argv[2]))\n"
         f"sys.path.insert(0, {os.path.dirname(PLUGIN_DIR)!r})\n"
         "import fairseq_plugin\n"
-        "state = torch.load(path)\n"  # default weights_only=True
-        "print('loaded', state['args'] is None and 'cfg' in state)\n"
+        "print('after', load(sys.argv[1]), load(sys.argv[2]))\n"
         "import pickle, io, os\n"
         "class Evil:\n"
         "    def __reduce__(self): return (os.getcwd, ())\n"
@@ -60,10 +63,10 @@ def test_checkpoint_loads_with_weights_only_under_torch_2_6_without_env_var(reve
     )
     env = dict(os.environ)
     env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
-    out = subprocess.run([sys.executable, "-c", script, str(reverse_run["checkpoint"])],
+    old = os.path.join(REPO, "tests", "data", "pre_redesign", "checkpoint.pt")
+    out = subprocess.run([sys.executable, "-c", script, str(reverse_run["checkpoint"]), old],
                          capture_output=True, text=True, env=env, check=True).stdout.split()
-    # fairseq's checkpoint needs the plugin's allowlist, and weights_only stays on for the rest
-    assert out == ["refused-before-import", "loaded", "True", "evil-refused"]
+    assert out == ["before", "loaded", "refused", "after", "loaded", "loaded", "evil-refused"]
 
 
 def test_restore_file_continues_training(reverse_run, tmp_path):

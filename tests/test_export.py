@@ -14,7 +14,6 @@ from fairseq.sequence_generator import SequenceGenerator
 from fairseq_plugin.cli import reverse_task
 from conftest import REPO, build_tiny_model, cli, make_dictionary
 from fairseq_plugin.errors import PluginError
-from fairseq_plugin.models.annotated_transformer import annotated_transformer_tiny
 from fairseq_plugin.export import (
     load_into_transformer,
     max_logit_difference,
@@ -52,9 +51,7 @@ def exported_pair(**overrides):
 
 def ours_args(overrides):
     """The arguments build_tiny_model(**overrides) builds its model from."""
-    args = Namespace(**overrides)
-    annotated_transformer_tiny(args)
-    return args
+    return models.MODEL_REGISTRY["annotated_transformer_tiny"].options(Namespace(**overrides))
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -57,20 +57,19 @@ def test_no_buffers_to_broadcast_and_nothing_created_in_forward():
 
 
 def test_presets_have_the_papers_sizes():
-    from fairseq_plugin.models import annotated_transformer as at
+    from fairseq.models import MODEL_REGISTRY
 
-    def preset(fn):
-        args = Namespace()
-        fn(args)
+    def preset(name, **given):
+        args = MODEL_REGISTRY[name].options(Namespace(**given))
         return (args.encoder_layers, args.encoder_embed_dim, args.encoder_ffn_embed_dim,
-                args.encoder_attention_heads, args.dropout)
+                args.encoder_attention_heads, args.dropout, args.decoder_embed_dim)
 
-    assert preset(at.base_architecture) == (6, 512, 2048, 8, 0.1)
-    assert preset(at.annotated_transformer_iwslt_de_en) == (6, 512, 1024, 4, 0.1)
-    assert preset(at.annotated_transformer_big) == (6, 1024, 4096, 16, 0.3)
-    args = Namespace(dropout=0.0, encoder_layers=3)  # what the user gives is kept
-    at.annotated_transformer_big(args)
-    assert (args.dropout, args.encoder_layers) == (0.0, 3)
+    assert preset("annotated_transformer") == (6, 512, 2048, 8, 0.1, 512)
+    assert preset("annotated_transformer_iwslt_de_en") == (6, 512, 1024, 4, 0.1, 512)
+    assert preset("annotated_transformer_big") == (6, 1024, 4096, 16, 0.3, 1024)
+    assert preset("annotated_transformer_tiny") == (2, 64, 256, 4, 0.1, 64)
+    # what the user gives is kept
+    assert preset("annotated_transformer_big", dropout=0.0, encoder_layers=3)[::4] == (3, 0.0)
 
 
 def test_pre_ln_by_default_post_ln_on_request():
@@ -145,7 +144,7 @@ def test_a_working_transformer_command_builds_and_trains_with_the_annotated_arch
         assert getattr(ours, name) == getattr(parsed["transformer_iwslt_de_en"], name), name
     task = tasks.setup_task(ours)
     model, criterion = task.build_model(ours), task.build_criterion(ours)
-    assert type(model).__name__ == "AnnotatedTransformerModel"
+    assert type(model).__name__ == "AnnotatedTransformerIwsltDeEnModel"
     src, tgt = random_tokens(d, 4, 7), random_tokens(d, 4, 6)
     sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((4,), 7),
                             "prev_output_tokens": torch.roll(tgt, 1, 1)},

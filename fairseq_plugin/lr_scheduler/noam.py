@@ -8,9 +8,12 @@ steps, and decreasing it thereafter proportionally to the inverse square root of
 """
 
 import logging
+from dataclasses import dataclass, field
+from typing import Optional
 
-from fairseq.optim.lr_scheduler import register_lr_scheduler
-from fairseq.optim.lr_scheduler.fairseq_lr_scheduler import LegacyFairseqLRScheduler
+from fairseq.dataclass import FairseqDataclass
+from fairseq.optim.lr_scheduler import FairseqLRScheduler, register_lr_scheduler
+from omegaconf import OmegaConf
 
 from ..errors import PluginError
 
@@ -23,39 +26,38 @@ def noam_rate(step: int, model_dim: int, factor: float, warmup: int) -> float:
     return factor * model_dim ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 
 
-@register_lr_scheduler("noam")
-class NoamSchedule(LegacyFairseqLRScheduler):
-    """Sets the learning rate after every update to ``noam_rate`` (``--lr`` is not used).
+@dataclass
+class NoamConfig(FairseqDataclass):
+    warmup_updates: int = field(
+        default=4000, metadata={"help": "warmup_steps: the learning rate rises linearly for N "
+                                        "updates"})
+    noam_factor: float = field(
+        default=1.0, metadata={"help": "factor multiplying the whole rate (the notebook's factor)"})
+    noam_model_dim: Optional[int] = field(
+        default=None, metadata={"help": "d_model in the formula (default: the model's "
+                                        "encoder_embed_dim)"})
 
-    A legacy (argparse) scheduler on purpose: it is handed all training arguments, so it can read
-    d_model from the model's --encoder-embed-dim when --noam-model-dim is not given.
-    """
 
-    def __init__(self, args, optimizer):
-        super().__init__(args, optimizer)
-        if args.warmup_updates <= 0:
+@register_lr_scheduler("noam", dataclass=NoamConfig)
+class NoamSchedule(FairseqLRScheduler):
+    """Sets the learning rate after every update to ``noam_rate`` (``--lr`` is not used)."""
+
+    def __init__(self, cfg: NoamConfig, optimizer):
+        super().__init__(cfg, optimizer)
+        if cfg.warmup_updates <= 0:
             raise PluginError(f"--warmup-updates must be positive for the noam schedule, "
-                              f"got {args.warmup_updates}")
-        self.model_dim = args.noam_model_dim or getattr(args, "encoder_embed_dim", None)
+                              f"got {cfg.warmup_updates}")
+        self.model_dim = cfg.noam_model_dim or model_dim_of_the_training(cfg)
         if not self.model_dim:
-            raise PluginError("the noam schedule needs d_model: this architecture has no "
-                              "--encoder-embed-dim, so pass --noam-model-dim")
-        self.factor = args.noam_factor
-        self.warmup = args.warmup_updates
+            raise PluginError("the noam schedule needs d_model and the model configuration has no "
+                              "encoder_embed_dim: pass --noam-model-dim (lr_scheduler.noam_model_dim)")
+        self.factor = cfg.noam_factor
+        self.warmup = cfg.warmup_updates
         logger.info(
             f"noam: lr = {self.factor} * {self.model_dim}^-0.5 * min(step^-0.5, step * "
             f"{self.warmup}^-1.5), peak {self.rate(self.warmup):.3g} at update {self.warmup} "
             f"(--lr is not used)")
         self.step_update(0)
-
-    @staticmethod
-    def add_args(parser):
-        parser.add_argument("--warmup-updates", default=4000, type=int, metavar="N",
-                            help="warmup_steps: the learning rate rises linearly for N updates")
-        parser.add_argument("--noam-factor", default=1.0, type=float, metavar="F",
-                            help="factor multiplying the whole rate (the notebook's factor)")
-        parser.add_argument("--noam-model-dim", default=None, type=int, metavar="N",
-                            help="d_model in the formula (default: the model's --encoder-embed-dim)")
 
     def rate(self, step: int) -> float:
         return noam_rate(step, self.model_dim, self.factor, self.warmup)
@@ -68,3 +70,18 @@ class NoamSchedule(LegacyFairseqLRScheduler):
         lr = self.rate(num_updates)
         self.optimizer.set_lr(lr)
         return lr
+
+
+def model_dim_of_the_training(cfg) -> Optional[int]:
+    """d_model of the model trained with this schedule: ``model.encoder_embed_dim`` of the
+    training configuration that ``cfg`` (its ``lr_scheduler`` node) belongs to, with the
+    annotated_transformer presets resolved; None when there is no such value."""
+    if not OmegaConf.is_config(cfg):
+        return getattr(cfg, "encoder_embed_dim", None)  # an argparse Namespace of all options
+    model = cfg._get_root().get("model")  # omegaconf has no public way up to the root
+    if model is None:
+        return None
+    from ..models.annotated_transformer import resolved_model_config
+
+    resolved = resolved_model_config(model)
+    return getattr(resolved if resolved is not None else model, "encoder_embed_dim", None)

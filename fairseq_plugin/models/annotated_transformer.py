@@ -8,17 +8,24 @@ sequence (y_1, ..., y_m) of symbols one element at a time." (Vaswani et al. 2017
 Tensors are batch-first: B batch, S source length, T target length, d d_model.
 """
 
+import argparse
+import enum
+from argparse import Namespace
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Dict, List, Optional
 
 import torch
 from fairseq import utils
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import (
+    ARCH_MODEL_REGISTRY,
     FairseqEncoder,
     FairseqEncoderDecoderModel,
     FairseqIncrementalDecoder,
     register_model,
-    register_model_architecture,
 )
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from ..errors import PluginError
@@ -67,9 +74,9 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
                 MultiHeadedAttention(args.encoder_attention_heads, d, args.attention_dropout,
                                      self_attention=True, flag_prefix="encoder"),
                 _feed_forward(args, d, args.encoder_ffn_embed_dim),
-                args.dropout, args.encoder_normalize_before)
+                args.dropout, normalize_before=not args.post_norm)
             for _ in range(args.encoder_layers)])
-        self.norm = nn.LayerNorm(d) if args.encoder_normalize_before else None
+        self.norm = None if args.post_norm else nn.LayerNorm(d)  # pre-LN's final LayerNorm
         self.skip_padding = True  # feed-forward sub-layers on real tokens only (packing.py)
         self.beam_size = 1  # set by fairseq's SequenceGenerator, through the model
 
@@ -153,9 +160,9 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
                                      self_attention=False, flag_prefix="decoder",
                                      memory_dim=args.encoder_embed_dim),
                 _feed_forward(args, d, args.decoder_ffn_embed_dim),
-                args.dropout, args.decoder_normalize_before)
+                args.dropout, normalize_before=not args.post_norm)
             for _ in range(args.decoder_layers)])
-        self.norm = nn.LayerNorm(d) if args.decoder_normalize_before else None
+        self.norm = None if args.post_norm else nn.LayerNorm(d)  # pre-LN's final LayerNorm
         self.generator = Generator(d, len(dictionary), output_weight)
         self.skip_padding = True  # feed-forward sub-layers on real tokens only (packing.py)
         # return the source attention outside training (fairseq-generate turns it off unless
@@ -252,7 +259,57 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
             attention.reorder_cache(incremental_state, reorder)
 
 
-@register_model("annotated_transformer")
+def _option(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class AnnotatedTransformerConfig(FairseqDataclass):
+    """The model's options (``model.*`` in a fairseq-hydra-train YAML, ``--*`` on the command
+    line): fairseq ``transformer``'s names and meanings; the defaults are the paper's base model."""
+
+    activation_fn: ChoiceEnum(utils.get_available_activation_fns()) = _option(
+        "relu", "activation function of the position-wise feed-forward network")
+    dropout: float = _option(0.1, "dropout probability (the paper's P_drop)")
+    attention_dropout: float = _option(0.0, "dropout probability on attention weights")
+    activation_dropout: float = _option(
+        0.0, "dropout probability after the activation in the feed-forward network "
+             "(--relu-dropout on the command line too)")
+    encoder_embed_dim: int = _option(512, "encoder d_model")
+    encoder_ffn_embed_dim: int = _option(2048, "encoder d_ff")
+    encoder_layers: int = _option(6, "number of encoder layers (N)")
+    encoder_attention_heads: int = _option(8, "encoder attention heads (h)")
+    encoder_normalize_before: bool = _option(
+        False, "pre-LN in the encoder (already the default here; accepted for fairseq "
+               "compatibility; conflicts with post_norm)")
+    encoder_learned_pos: bool = _option(False, "learned instead of sinusoidal positions in the "
+                                               "encoder")
+    decoder_embed_dim: Optional[int] = _option(None, "decoder d_model (default: encoder_embed_dim)")
+    decoder_ffn_embed_dim: Optional[int] = _option(None, "decoder d_ff (default: "
+                                                         "encoder_ffn_embed_dim)")
+    decoder_layers: int = _option(6, "number of decoder layers (N)")
+    decoder_attention_heads: int = _option(8, "decoder attention heads (h)")
+    decoder_normalize_before: bool = _option(
+        False, "pre-LN in the decoder (already the default here; accepted for fairseq "
+               "compatibility; conflicts with post_norm)")
+    decoder_learned_pos: bool = _option(False, "learned instead of sinusoidal positions in the "
+                                               "decoder")
+    post_norm: bool = _option(
+        False, "the paper's post-LN sub-layers, LayerNorm(x + Sublayer(x)), in both stacks "
+               "(default: the Annotated Transformer's pre-LN, x + Sublayer(LayerNorm(x)), with a "
+               "final LayerNorm)")
+    share_decoder_input_output_embed: bool = _option(
+        False, "share the decoder input embeddings with the generator (output projection)")
+    share_all_embeddings: bool = _option(
+        False, "share source, target and output embeddings (needs a joined dictionary: "
+               "fairseq-preprocess --joined-dictionary)")
+    no_token_positional_embeddings: bool = _option(False, "add no positional encodings")
+    no_scale_embedding: bool = _option(False, "do not multiply embeddings by sqrt(d_model)")
+    max_source_positions: int = _option(DEFAULT_MAX_POSITIONS, "longest source, in tokens")
+    max_target_positions: int = _option(DEFAULT_MAX_POSITIONS, "longest target, in tokens")
+
+
+@register_model("annotated_transformer", dataclass=AnnotatedTransformerConfig)
 class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
     """The Annotated Transformer (harvardnlp) inside fairseq.
 
@@ -260,43 +317,34 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
     same; the one difference in defaults is pre-LN (the notebook's "norm first"), see --post-norm.
     """
 
-    @staticmethod
-    def add_args(parser):
-        a = parser.add_argument
-        a("--activation-fn", choices=utils.get_available_activation_fns(),
-          help="activation function of the position-wise feed-forward network")
-        a("--dropout", type=float, metavar="D", help="dropout probability")
-        a("--attention-dropout", type=float, metavar="D",
-          help="dropout probability on attention weights")
-        a("--activation-dropout", "--relu-dropout", type=float, metavar="D",
-          help="dropout probability after the activation in the feed-forward network")
-        for side in ("encoder", "decoder"):
-            a(f"--{side}-embed-dim", type=int, metavar="N", help=f"{side} d_model")
-            a(f"--{side}-ffn-embed-dim", type=int, metavar="N", help=f"{side} d_ff")
-            a(f"--{side}-layers", type=int, metavar="N", help=f"number of {side} layers (N)")
-            a(f"--{side}-attention-heads", type=int, metavar="N", help=f"{side} attention heads (h)")
-            a(f"--{side}-normalize-before", action="store_true",
-              help=f"pre-LN in the {side} (already the default here; accepted for fairseq "
-                   "compatibility; conflicts with --post-norm)")
-            a(f"--{side}-learned-pos", action="store_true",
-              help=f"learned instead of sinusoidal positions in the {side}")
-        a("--post-norm", action="store_true",
-          help="the paper's post-LN sub-layers, LayerNorm(x + Sublayer(x)), in both stacks "
-               "(default: the Annotated Transformer's pre-LN, x + Sublayer(LayerNorm(x)), "
-               "with a final LayerNorm)")
-        a("--share-decoder-input-output-embed", action="store_true",
-          help="share the decoder input embeddings with the generator (output projection)")
-        a("--share-all-embeddings", action="store_true",
-          help="share source, target and output embeddings (needs a joined dictionary: "
-               "fairseq-preprocess --joined-dictionary)")
-        a("--no-token-positional-embeddings", action="store_true",
-          help="add no positional encodings")
-        a("--no-scale-embedding", action="store_true",
-          help="do not multiply embeddings by sqrt(d_model)")
+    @classmethod
+    def add_args(cls, parser):
+        """One flag per field of this model's config class, with its defaults."""
+        gen_parser_from_dataclass(parser, getattr(cls, "__dataclass")())
+        parser.add_argument("--relu-dropout", dest="activation_dropout", type=float,
+                            help=argparse.SUPPRESS)  # fairseq transformer's other name for it
 
     @classmethod
-    def build_model(cls, args, task):
-        base_architecture(args)
+    def options(cls, cfg) -> Namespace:
+        """Every option of the model ``cfg`` describes (a YAML/command-line DictConfig, a config
+        dataclass or an argparse Namespace): its values, this preset's defaults for the rest."""
+        config = getattr(cls, "__dataclass")
+        _check_known_options(cfg, config)
+        args = Namespace()
+        for f in fields(config):
+            value = getattr(cfg, f.name, None)
+            value = f.default if value is None else value
+            # choices as plain strings: the configuration is saved in checkpoints
+            setattr(args, f.name, value.value if isinstance(value, enum.Enum) else value)
+        if args.decoder_embed_dim is None:
+            args.decoder_embed_dim = args.encoder_embed_dim
+        if args.decoder_ffn_embed_dim is None:
+            args.decoder_ffn_embed_dim = args.encoder_ffn_embed_dim
+        return args
+
+    @classmethod
+    def build_model(cls, cfg, task):
+        args = cls.options(cfg)
         _check_layer_norm_flags(args)
         for flag in ("dropout", "attention_dropout", "activation_dropout"):
             if not 0.0 <= getattr(args, flag) < 1.0:
@@ -375,65 +423,60 @@ def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor]) -> 
 
 
 def _check_layer_norm_flags(args):
-    if args.post_norm and (args.encoder_normalize_before_flag or args.decoder_normalize_before_flag):
+    if args.post_norm and (args.encoder_normalize_before or args.decoder_normalize_before):
         raise PluginError(
             "--post-norm conflicts with --encoder-normalize-before/--decoder-normalize-before; "
             "use --post-norm for the paper's post-LN or drop it for pre-LN")
 
 
+def _check_known_options(cfg, config):
+    """A model configuration written by hand (a YAML recipe) may only hold the model's options."""
+    if not OmegaConf.is_config(cfg):
+        return  # argparse Namespaces carry every training option; argparse checks those
+    known = {f.name for f in fields(config)}
+    unknown = sorted(k for k in cfg.keys() if k not in known)
+    if unknown:
+        raise PluginError(f"unknown model option '{unknown[0]}' (model.{unknown[0]}); check its "
+                          f"spelling: the options are the fields of {config.__name__} "
+                          "(fairseq-train --arch annotated_transformer --help lists them)")
+
+
+def resolved_model_config(model_cfg) -> Optional[Namespace]:
+    """Every option of the annotated_transformer a model configuration builds, or None when it
+    is not an annotated_transformer configuration."""
+    arch = getattr(model_cfg, "_name", None) or getattr(model_cfg, "arch", None)
+    model = ARCH_MODEL_REGISTRY.get(arch)
+    if model is None or not issubclass(model, AnnotatedTransformerModel):
+        return None
+    return model.options(model_cfg)
+
+
 # ---------------------------------------------------------------------------------------------
-# Arch presets, registered next to the model. Each fills only what the user did not set.
+# Presets, registered next to the model: annotated_transformer with other defaults. Each is a
+# model name with its own config class, so that `--arch NAME` on the command line and
+# `model._name: NAME` in a fairseq-hydra-train recipe start from the same values.
 # ---------------------------------------------------------------------------------------------
 
-def _defaults(args, **values):
-    """Set each attribute the user did not give (None or missing)."""
-    for name, value in values.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
+def register_preset(name: str, summary: str, **defaults):
+    config = make_dataclass(
+        "".join(part.title() for part in name.split("_")) + "Config",
+        [(f.name, f.type, field(default=defaults.get(f.name, f.default), metadata=f.metadata))
+         for f in fields(AnnotatedTransformerConfig)],
+        bases=(AnnotatedTransformerConfig,))
+    config.__doc__ = summary
+    model = type(config.__name__.replace("Config", "Model"), (AnnotatedTransformerModel,),
+                 {"__doc__": summary, "__module__": __name__})
+    return register_model(name, dataclass=config)(model)
 
 
-@register_model_architecture("annotated_transformer", "annotated_transformer")
-def base_architecture(args):
-    """The paper's base model: N=6, d_model=512, d_ff=2048, h=8, P_drop=0.1."""
-    _defaults(args, encoder_embed_dim=512, encoder_ffn_embed_dim=2048, encoder_layers=6,
-              encoder_attention_heads=8)
-    _defaults(args, decoder_embed_dim=args.encoder_embed_dim,
-              decoder_ffn_embed_dim=args.encoder_ffn_embed_dim, decoder_layers=6,
-              decoder_attention_heads=8)
-    _defaults(args, dropout=0.1, attention_dropout=0.0, activation_dropout=0.0,
-              activation_fn="relu", max_source_positions=DEFAULT_MAX_POSITIONS,
-              max_target_positions=DEFAULT_MAX_POSITIONS)
-    for flag in ("encoder_learned_pos", "decoder_learned_pos", "post_norm",
-                 "share_decoder_input_output_embed", "share_all_embeddings",
-                 "no_token_positional_embeddings", "no_scale_embedding"):
-        setattr(args, flag, bool(getattr(args, flag, False)))
-    # pre-LN unless --post-norm; remember what the user asked for, to catch conflicts
-    for side in ("encoder", "decoder"):
-        if getattr(args, f"{side}_normalize_before_flag", None) is None:
-            setattr(args, f"{side}_normalize_before_flag",
-                    bool(getattr(args, f"{side}_normalize_before", False)))
-        setattr(args, f"{side}_normalize_before", not args.post_norm)
-
-
-@register_model_architecture("annotated_transformer", "annotated_transformer_iwslt_de_en")
-def annotated_transformer_iwslt_de_en(args):
-    """Like fairseq's transformer_iwslt_de_en: 6+6 layers, d_model 512, d_ff 1024, 4 heads."""
-    _defaults(args, encoder_embed_dim=512, encoder_ffn_embed_dim=1024, encoder_attention_heads=4,
-              decoder_attention_heads=4)
-    base_architecture(args)
-
-
-@register_model_architecture("annotated_transformer", "annotated_transformer_big")
-def annotated_transformer_big(args):
-    """The paper's big model: d_model 1024, d_ff 4096, h=16, P_drop 0.3."""
-    _defaults(args, encoder_embed_dim=1024, encoder_ffn_embed_dim=4096, encoder_attention_heads=16,
-              decoder_attention_heads=16, dropout=0.3)
-    base_architecture(args)
-
-
-@register_model_architecture("annotated_transformer", "annotated_transformer_tiny")
-def annotated_transformer_tiny(args):
-    """Small and fast, for tests and sanity tasks: 2+2 layers, d_model 64, d_ff 256, 4 heads."""
-    _defaults(args, encoder_embed_dim=64, encoder_ffn_embed_dim=256, encoder_layers=2,
-              decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4)
-    base_architecture(args)
+register_preset("annotated_transformer_iwslt_de_en",
+                "Like fairseq's transformer_iwslt_de_en: 6+6 layers, d_model 512, d_ff 1024, 4 heads.",
+                encoder_ffn_embed_dim=1024, encoder_attention_heads=4, decoder_attention_heads=4)
+register_preset("annotated_transformer_big",
+                "The paper's big model: d_model 1024, d_ff 4096, h=16, P_drop 0.3.",
+                encoder_embed_dim=1024, encoder_ffn_embed_dim=4096, encoder_attention_heads=16,
+                decoder_attention_heads=16, dropout=0.3)
+register_preset("annotated_transformer_tiny",
+                "Small and fast, for tests and sanity tasks: 2+2 layers, d_model 64, d_ff 256, 4 heads.",
+                encoder_embed_dim=64, encoder_ffn_embed_dim=256, encoder_layers=2,
+                decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4)
