@@ -7,9 +7,10 @@ user errors one line (errors.py), and lets fairseq-interactive skip bad input li
 """
 
 from . import checkpoints  # noqa: F401  (first: safe checkpoint loading)
-from .errors import PluginError, install_excepthook
+from .errors import PluginError, install_excepthook, report_unknown_options_in_one_line
 
 install_excepthook()
+report_unknown_options_in_one_line()
 
 from . import criterions, interactive, lr_scheduler, models  # noqa: E402,F401
 from .models.annotated_transformer import AnnotatedTransformerModel  # noqa: E402,F401

@@ -6,10 +6,15 @@ its fix and gets the same treatment. Library callers get a normal exception; on 
 (fairseq-train, fairseq-generate, ...) the hook below prints only
 ``fairseq_plugin: error: <what is wrong and how to fix it>`` instead of a traceback, and exits
 with status 1. ``FAIRSEQ_PLUGIN_TRACEBACK=1`` in the environment shows the full traceback instead.
+fairseq-hydra-train reports errors itself: it prints a PluginError's message alone (a
+``CompactHydraException``), and ``HYDRA_FULL_ERROR=1`` shows the traceback there.
 """
 
 import os
 import sys
+
+from hydra.errors import CompactHydraException
+from omegaconf.errors import ConfigKeyError
 
 TRACEBACK_VARIABLE = "FAIRSEQ_PLUGIN_TRACEBACK"
 
@@ -18,7 +23,7 @@ TRACEBACK_VARIABLE = "FAIRSEQ_PLUGIN_TRACEBACK"
 _FAIRSEQ_REWRAPS = ("Cannot load model parameters from checkpoint",)
 
 
-class PluginError(ValueError):
+class PluginError(ValueError, CompactHydraException):
     """A user-facing error whose message says what is wrong and how to fix it."""
 
 
@@ -62,3 +67,28 @@ def install_excepthook():
     """Make uncaught :class:`PluginError` print one line (idempotent)."""
     if not getattr(sys.excepthook, "fairseq_plugin_hook", False):
         sys.excepthook = _print_plugin_errors_as_one_line(sys.excepthook)
+
+
+def report_unknown_options_in_one_line():
+    """fairseq-train and fairseq-hydra-train merge each configuration group (model, criterion,
+    lr_scheduler, ...) with its config dataclass in ``add_defaults`` right after importing the
+    user dir; a misspelled key there is an omegaconf ConfigKeyError at the end of a long
+    traceback. Wrap that step so it becomes a PluginError naming the option (idempotent)."""
+    train = sys.modules.get("fairseq_cli.train")
+    if train is None or getattr(train.add_defaults, "fairseq_plugin_hook", False):
+        return
+    merge_with_dataclasses = train.add_defaults
+
+    def add_defaults(cfg):
+        try:
+            return merge_with_dataclasses(cfg)
+        except ConfigKeyError as e:
+            config = getattr(e.object_type, "__name__", "its config")
+            groups = [g for g in ("model", "criterion", "lr_scheduler", "optimizer", "task")
+                      if hasattr(cfg.get(g), "keys") and e.key in cfg[g]]
+            where = f"{groups[0]}.{e.key}" if groups else str(e.key)
+            raise PluginError(f"unknown option {where}: {config} has no field '{e.key}'; check "
+                              "its spelling (fairseq-train ... --help lists the options)")
+
+    add_defaults.fairseq_plugin_hook = True
+    train.add_defaults = add_defaults

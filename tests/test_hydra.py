@@ -1,0 +1,176 @@
+"""fairseq-hydra-train with the YAML recipes of examples/configs: typed configs for the model (and
+its presets), the criterion and noam; the checkpoints it writes work everywhere a fairseq-train one
+does."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import REPO, cli, reverse_data_bin
+from fairseq_plugin.cli import reverse_task
+from fairseq_plugin.lr_scheduler.noam import noam_rate
+
+RECIPES = os.path.join(REPO, "examples", "configs")
+EPOCHS = 2
+JSON_EVERY_UPDATE = ["common.log_format=json", "common.log_interval=1"]
+
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    return reverse_data_bin(tmp_path_factory.mktemp("hydra"), "--train", 2000, "--valid", 100,
+                            "--test", 20)
+
+
+def hydra_train(data_bin, work, *overrides, recipe="reverse", config_dir=RECIPES, check=True):
+    os.makedirs(work, exist_ok=True)
+    return cli("fairseq-hydra-train", "--config-dir", config_dir, "--config-name", recipe,
+               f"task.data={data_bin}", f"checkpoint.save_dir={work}/checkpoints",
+               f"hydra.run.dir={work}/hydra", *overrides, check=check, cwd=work)
+
+
+def logged_updates(proc):
+    """{update: (loss, lr)} from a JSON log at every update."""
+    updates = {}
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if "train_inner" in line and "{" in line:
+            stats = json.loads(line[line.index("{"):])
+            updates[int(stats["num_updates"])] = (stats["loss"], float(stats["lr"]))
+    return updates
+
+
+@pytest.fixture(scope="module")
+def runs(data_bin, tmp_path_factory):
+    """The reverse recipe through fairseq-hydra-train, and the same training on the command line
+    (reverse_task.train_command, what scripts/reverse_demo.py runs)."""
+    work = tmp_path_factory.mktemp("runs")
+    hydra = hydra_train(data_bin, work / "hydra", f"optimization.max_epoch={EPOCHS}",
+                        *JSON_EVERY_UPDATE)
+    command = cli(*reverse_task.train_command(
+        str(data_bin), str(work / "cli" / "checkpoints"), EPOCHS,
+        extra=["--log-format", "json", "--log-interval", "1"]))
+    return {"work": work, "hydra": hydra, "cli": command,
+            "checkpoint": work / "hydra" / "checkpoints" / "checkpoint_last.pt"}
+
+
+def test_a_hydra_recipe_builds_and_trains_the_same_model_as_the_command_line(runs):
+    hydra, command = logged_updates(runs["hydra"]), logged_updates(runs["cli"])
+    assert len(hydra) >= 10 and hydra == command  # the same loss and lr at every update
+    ours = torch.load(runs["checkpoint"])
+    theirs = torch.load(runs["work"] / "cli" / "checkpoints" / "checkpoint_last.pt")
+    assert ours["cfg"]["model"] == theirs["cfg"]["model"]
+    assert ours["cfg"]["model"]["_name"] == "annotated_transformer_tiny"
+    assert all(torch.equal(ours["model"][k], theirs["model"][k]) for k in theirs["model"])
+
+
+def test_noam_under_hydra_follows_the_formula_with_the_models_d_model(runs):
+    log = runs["hydra"].stdout + runs["hydra"].stderr
+    assert "noam: lr = 1.0 * 64^-0.5 * min(step^-0.5, step * 200^-1.5)" in log
+    updates = logged_updates(runs["hydra"])
+    # fairseq logs the rate set after each update, for the next one (6 significant digits)
+    for update, (_, lr) in updates.items():
+        assert lr == pytest.approx(noam_rate(update, 64, 1.0, 200), rel=1e-5), update
+
+
+def test_a_hydra_run_resumes_from_its_last_checkpoint(data_bin, runs, tmp_path):
+    work = tmp_path / "resumed"
+    shutil.copytree(runs["work"] / "hydra" / "checkpoints", work / "checkpoints")
+    stopped_at = max(logged_updates(runs["hydra"]))
+    proc = hydra_train(data_bin, work, f"optimization.max_epoch={EPOCHS + 1}", *JSON_EVERY_UPDATE)
+    log = proc.stdout + proc.stderr
+    assert (f"Loaded checkpoint {work / 'checkpoints' / 'checkpoint_last.pt'} "
+            f"(epoch {EPOCHS + 1} @ {stopped_at} updates)") in log
+    assert min(logged_updates(proc)) == stopped_at + 1
+
+
+def test_a_hydra_checkpoint_works_in_generate_interactive_hub_export_and_restore_file(
+        data_bin, runs, tmp_path):
+    """All under torch >= 2.6's weights_only default, without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD."""
+    from fairseq_plugin import AnnotatedTransformerModel
+
+    checkpoint = runs["checkpoint"]
+    def hypotheses(output, column=2):
+        return {int(line.split("\t")[0][2:]): line.split("\t")[column]
+                for line in output.splitlines() if line.startswith(("H-", "S-")[column == 1])}
+
+    generated = cli(*reverse_task.generate_command(str(data_bin), str(checkpoint))).stdout
+    hyps, sources = hypotheses(generated), hypotheses(generated, column=1)
+    assert len(hyps) == 20
+    command_line = runs["work"] / "cli" / "checkpoints" / "checkpoint_last.pt"
+    assert hypotheses(cli(*reverse_task.generate_command(str(data_bin), str(command_line))).stdout
+                      ) == hyps  # the same model, the same translations
+
+    interactive = cli("fairseq-interactive", data_bin, "--user-dir", "fairseq_plugin", "--path",
+                      checkpoint, "--beam", "5", "--cpu", input=sources[0] + "\n").stdout
+    assert [line.split("\t")[2] for line in interactive.splitlines()
+            if line.startswith("H-")] == [hyps[0]]
+
+    hub = AnnotatedTransformerModel.from_pretrained(
+        str(checkpoint.parent), checkpoint_file=checkpoint.name, data_name_or_path=str(data_bin))
+    assert hub.translate(sources[0], beam=5) == hyps[0]
+
+    cli("annotated-export-fairseq", checkpoint, "--output", tmp_path / "transformer.pt")
+    exported = cli("fairseq-generate", data_bin, "--path", tmp_path / "transformer.pt",
+                   "--beam", "5", "--max-tokens", "4096", "--required-batch-size-multiple", "1",
+                   "--cpu").stdout
+    assert hypotheses(exported) == hyps
+
+    restored = cli(*reverse_task.train_command(
+        str(data_bin), str(tmp_path / "restored"), EPOCHS + 1,
+        extra=["--restore-file", str(checkpoint)]))
+    assert f"Loaded checkpoint {checkpoint}" in restored.stdout + restored.stderr
+
+
+def test_hydra_overrides_need_no_plus(data_bin, tmp_path):
+    hydra_train(data_bin, tmp_path, "model.encoder_layers=1", "lr_scheduler.warmup_updates=100",
+                "optimization.max_update=1")
+    state = torch.load(tmp_path / "checkpoints" / "checkpoint_last.pt")
+    assert state["cfg"]["model"]["encoder_layers"] == 1
+    assert state["cfg"]["lr_scheduler"]["warmup_updates"] == 100
+    assert "encoder.layers.0.feed_forward.w_1.weight" in state["model"]
+    assert not any(k.startswith("encoder.layers.1.") for k in state["model"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+model.encoder_layer=1",
+     "unknown option model.encoder_layer: AnnotatedTransformerTinyConfig has no field "
+     "'encoder_layer'"),
+    ("+criterion.label_smothing=0.2",
+     "unknown option criterion.label_smothing: AnnotatedLabelSmoothingConfig has no field "
+     "'label_smothing'"),
+    ("+lr_scheduler.warmup=3", "unknown option lr_scheduler.warmup: NoamConfig has no field "
+                               "'warmup'"),
+    # hydra's own refusal, before anything of fairseq's runs
+    ("model.encoder_layer=1", "Could not override 'model.encoder_layer'"),
+])
+def test_an_unknown_option_is_refused_at_start_up_in_one_line(data_bin, tmp_path, override,
+                                                              message):
+    proc = hydra_train(data_bin, tmp_path, override, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "checkpoints" / "checkpoint_last.pt").exists()
+
+
+def test_a_misspelled_key_in_a_recipe_file_is_refused_in_one_line(data_bin, tmp_path):
+    with open(os.path.join(RECIPES, "reverse.yaml")) as f:
+        recipe = f.read()
+    assert "  encoder_ffn_embed_dim: 256\n" in recipe
+    (tmp_path / "typo.yaml").write_text(
+        recipe.replace("  encoder_ffn_embed_dim: 256\n", "  encoder_ffn_embed_dims: 256\n"))
+    proc = hydra_train(data_bin, tmp_path, recipe="typo", config_dir=str(tmp_path), check=False)
+    assert proc.returncode != 0
+    assert ("unknown option model.encoder_ffn_embed_dims: AnnotatedTransformerTinyConfig has no "
+            "field 'encoder_ffn_embed_dims'") in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("recipe, d_model", [("tatoeba", 128), ("multi30k", 256)])
+def test_the_translation_recipes_build_their_model_and_train(data_bin, tmp_path, recipe, d_model):
+    proc = hydra_train(data_bin, tmp_path, "optimization.max_update=2", recipe=recipe)
+    assert f"noam: lr = 1.0 * {d_model}^-0.5" in proc.stdout + proc.stderr
+    state = torch.load(tmp_path / "checkpoints" / "checkpoint_last.pt")
+    assert state["cfg"]["model"]["_name"] == "annotated_transformer"
+    assert state["model"]["encoder.layers.2.feed_forward.w_1.weight"].shape == (512, d_model)
