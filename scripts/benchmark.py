@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Speed and memory of annotated_transformer against fairseq's transformer, side by side.
 
-Both architectures get identical hyper-parameters and data; runs alternate A B A B over
---rounds rounds in one invocation, and the table gives medians and ratios (ours / fairseq's):
+Both architectures get identical hyper-parameters and data; runs alternate A B B A A B ... over
+--rounds rounds in one invocation, and the table gives medians and the median of the per-round
+ratios (ours / fairseq's):
 
 - training: target words/s through fairseq-train (median of the logged intervals after the
   first), and the process's peak resident memory;
@@ -272,7 +273,7 @@ def main(argv=None):
                for arch in ARCHS}
     ct2_tps, ct2_mb = [], []
     for r in range(args.rounds):
-        for arch in ARCHS:
+        for arch in (ARCHS if r % 2 == 0 else ARCHS[::-1]):  # order alternated between rounds
             save = os.path.join(work, f"{arch}-round{r}")
             wps, mb = train_run(data_bin, arch, args.preset, save, args.train_updates,
                                 args.max_tokens)
@@ -297,17 +298,25 @@ def main(argv=None):
 
     med = {a: {k: statistics.median(v) for k, v in res.items()} for a, res in results.items()}
     ours, theirs = med["annotated_transformer"], med["transformer"]
-    print(f"\n| medians of {args.rounds} rounds | annotated_transformer | transformer | ratio |")
-    print("|---|---|---|---|")
+    # the ratio of each round's two runs, then their median: the machine's speed drifts between
+    # rounds more than between the two runs of a round
+    print(f"\n| medians of {args.rounds} rounds | annotated_transformer | transformer | "
+          "median of the per-round ratios | per-round ratios |")
+    print("|---|---|---|---|---|")
     for key, label in (("train_wps", "training, target words/s"),
                        ("gen_tps", "generation beam 5, tokens/s"),
                        ("train_mb", "training peak memory, MB"),
                        ("gen_mb", "generation peak memory, MB")):
-        print(f"| {label} | {ours[key]:.0f} | {theirs[key]:.0f} | {ours[key] / theirs[key]:.2f}x |")
+        ratios = [a / b for a, b in zip(results["annotated_transformer"][key],
+                                        results["transformer"][key])]
+        print(f"| {label} | {ours[key]:.0f} | {theirs[key]:.0f} | "
+              f"{statistics.median(ratios):.2f}x | {' '.join(f'{x:.2f}' for x in ratios)} |")
     if ct2_tps:
         ct2 = statistics.median(ct2_tps)
+        ratios = [a / b for a, b in zip(ct2_tps, results["transformer"]["gen_tps"])]
         print(f"| generation beam 5, tokens/s, annotated_transformer exported to CTranslate2 | "
-              f"{ct2:.0f} | {theirs['gen_tps']:.0f} | {ct2 / theirs['gen_tps']:.2f}x |")
+              f"{ct2:.0f} | {theirs['gen_tps']:.0f} | {statistics.median(ratios):.2f}x | "
+              f"{' '.join(f'{x:.2f}' for x in ratios)} |")
 
     if not args.skip_cache:
         lengths = [int(x) for x in args.cache_lengths.split(",")]
