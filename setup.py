@@ -9,10 +9,10 @@ setup(
                 "attention for beam search, label smoothing and the Noam schedule",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.8",
+    python_requires=">=3.10",
     packages=find_packages(include=["fairseq_plugin", "fairseq_plugin.*"]),
     install_requires=[
-        "torch>=2.1",
+        "torch>=2.6",  # tested: 2.13.0 (README, "Versions")
         # both provide the ``fairseq`` package; PyPI's 0.12.2 fails to import on Python >= 3.11
         'fairseq==0.12.2; python_version < "3.11"',
         'fairseq-fixed==0.12.3.1; python_version >= "3.11"',

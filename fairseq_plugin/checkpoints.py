@@ -1,8 +1,8 @@
 """Let torch >= 2.6 load fairseq checkpoints with ``weights_only=True``.
 
-torch 2.6 made ``torch.load(weights_only=True)`` the default. fairseq 0.12 checkpoints store the
-training configuration as an ``argparse.Namespace`` (for argparse-defined models such as this
-one), which the restricted unpickler refuses ("Unsupported global: argparse.Namespace"), so
+torch 2.6 made ``torch.load(weights_only=True)`` the default. fairseq 0.12 checkpoints of
+argparse-defined models (this plugin's before its dataclass configs, fairseq's ``transformer``)
+store the model's configuration as an ``argparse.Namespace``, which the restricted unpickler refuses ("Unsupported global: argparse.Namespace"), so
 fairseq-generate, fairseq-interactive and --restore-file fail.
 
 Rather than switching ``weights_only`` off for every ``torch.load`` in the process (or asking for
@@ -30,10 +30,8 @@ CHECKPOINT_SAFE_GLOBALS = [argparse.Namespace]
 
 
 def allow_fairseq_checkpoints() -> None:
-    """Allowlist the classes above for ``torch.load(weights_only=True)`` (torch >= 2.4)."""
-    add = getattr(torch.serialization, "add_safe_globals", None)
-    if add is not None:
-        add(CHECKPOINT_SAFE_GLOBALS)
+    """Allowlist the classes above for ``torch.load(weights_only=True)`` (setup.py: torch >= 2.6)."""
+    torch.serialization.add_safe_globals(CHECKPOINT_SAFE_GLOBALS)
 
 
 allow_fairseq_checkpoints()
