@@ -2,8 +2,9 @@
 
 torch 2.6 made ``torch.load(weights_only=True)`` the default. fairseq 0.12 checkpoints of
 argparse-defined models (this plugin's before its dataclass configs, fairseq's ``transformer``)
-store the model's configuration as an ``argparse.Namespace``, which the restricted unpickler refuses ("Unsupported global: argparse.Namespace"), so
-fairseq-generate, fairseq-interactive and --restore-file fail.
+store the model's configuration as an ``argparse.Namespace``, which the restricted unpickler
+refuses ("Unsupported global: argparse.Namespace"), so fairseq-generate, fairseq-interactive and
+--restore-file fail on them.
 
 Rather than switching ``weights_only`` off for every ``torch.load`` in the process (or asking for
 TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1), we add the few plain-data classes a fairseq checkpoint holds
