@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine with Python:
 #   make demo   creates .venv, installs torch then this package, runs the main job
-#   make test   same set-up, then the test suite
+#   make test   same set-up, then the test suite; then the same on Python 3.10 with the official
+#               fairseq 0.12.2 (.venv310) where pyenv or PATH has a python3.10
 PYTHON ?= python3
 # torch is installed first, pinned (a later unpinned torch would be the newest CUDA build). pip
 # takes a local CPU wheel of this version where one is configured (this project's CI machines);
@@ -9,21 +10,38 @@ PYTHON ?= python3
 #   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
+PIP ?= pip
 VENV ?= .venv
 PY := $(VENV)/bin/python
 WORK ?= work
 
-.PHONY: demo demo-reverse test test-gpu install clean FORCE
+# The second test lane: the official fairseq 0.12.2 (what most fairseq users have) on Python 3.10
+# with the lowest torch setup.py admits. fairseq 0.12.2 installs only with pip < 24.1 (pip >= 24.1
+# rejects omegaconf 2.0.6's metadata); torch < 2.3 needs NumPy 1; torchaudio is pinned with torch
+# because fairseq 0.12.2 requires it and its newest release would pull a newer torch. PyPI has
+# only CUDA builds of torch for Python 3.10 (torch 2.1.2 and its CUDA libraries: about 2.5 GB).
+PYTHON310 ?= $(firstword $(shell command -v python3.10) \
+                         $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10))
+VENV310 ?= .venv310
+TORCH310 ?= torch==2.1.2 torchaudio==2.1.2 numpy<2
+LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= PIP="pip<24.1"
+# what the lane runs: the CLI pipeline, incremental decoding, export, checkpoint loading, ...
+TESTS310 ?= tests/test_cli.py tests/test_incremental_decoding.py tests/test_export.py \
+            tests/test_errors.py tests/test_model.py tests/test_attention.py \
+            tests/test_criterion_and_schedule.py tests/test_mixed_precision.py
+
+.PHONY: demo demo-reverse test test-main test-fairseq-0.12.2 test-gpu install install310 clean FORCE
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(PIP)"
 
 # torch again whenever TORCH or TORCH_INDEX differ from the last install
 $(VENV)/.torch: $(PY) FORCE
 	@if [ "$$(cat $@ 2>/dev/null)" != "$(TORCH) $(TORCH_INDEX)" ]; then \
-	  echo "$(PY) -m pip install \"$(TORCH)\" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))"; \
+	  echo "$(PY) -m pip install $(foreach p,$(TORCH),'$(p)') $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))"; \
 	  ! $(PY) -m pip show -q torch 2>/dev/null || $(PY) -m pip uninstall -y -q torch; \
-	  $(PY) -m pip install "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) && \
+	  $(PY) -m pip install $(foreach p,$(TORCH),'$(p)') $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) && \
 	  echo "$(TORCH) $(TORCH_INDEX)" > $@; fi
 
 $(VENV)/.deps: setup.py $(VENV)/.torch
@@ -43,14 +61,28 @@ demo: install
 demo-reverse: install
 	$(PY) scripts/reverse_demo.py --work-dir $(WORK)/reverse
 
-test: install
+# both lanes: this Python with fairseq-fixed, then Python 3.10 with the official fairseq 0.12.2
+test: test-main test-fairseq-0.12.2
+
+test-main: install
 	$(PY) -m pytest -q tests
+
+install310:
+	@test -n "$(PYTHON310)" || { echo "no python3.10 found (give it as PYTHON310=...)"; exit 1; }
+	$(MAKE) --no-print-directory install $(LANE310)
+
+test-fairseq-0.12.2:
+	@if [ -z "$(PYTHON310)" ]; then \
+	  echo "SKIPPED the fairseq 0.12.2 lane: no python3.10 on PATH or in ~/.pyenv (PYTHON310=...)"; \
+	else \
+	  $(MAKE) --no-print-directory install $(LANE310) && \
+	  $(VENV310)/bin/python -m pytest -q -rs $(TESTS310); fi
 
 # the tests whose behaviour depends on the device, on a CUDA GPU (skipped, with the reason, without)
 test-gpu: install
 	$(PY) -m pytest -q -m cuda -rs tests
 
 clean:
-	rm -rf $(VENV) $(WORK) build *.egg-info
+	rm -rf $(VENV) $(VENV310) $(WORK) build *.egg-info
 
 FORCE:

@@ -8,7 +8,9 @@ refuses ("Unsupported global: argparse.Namespace"), so fairseq-generate, fairseq
 
 Rather than switching ``weights_only`` off for every ``torch.load`` in the process (or asking for
 TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1), we add the few plain-data classes a fairseq checkpoint holds
-to torch's allowlist. Loading stays restricted: no other global can be unpickled.
+to torch's allowlist. Loading stays restricted: no other global can be unpickled. torch < 2.4
+has no allowlist and needs none: its ``torch.load`` default (``weights_only=False`` until 2.6)
+reads a Namespace, as fairseq 0.12.2 expects.
 
 A damaged checkpoint file (truncated copy, interrupted save) gets one clear line naming the
 file, instead of a zip-reader traceback.
@@ -19,6 +21,7 @@ import errno
 import functools
 import os
 import pickle
+import traceback
 import zipfile
 
 import torch
@@ -30,9 +33,20 @@ from .errors import PluginError
 CHECKPOINT_SAFE_GLOBALS = [argparse.Namespace]
 
 
+# torch >= 2.4 (the allowlist came in 2.4, the weights_only default in 2.6)
+HAS_ALLOWLIST = hasattr(torch.serialization, "add_safe_globals")
+
+
 def allow_fairseq_checkpoints() -> None:
-    """Allowlist the classes above for ``torch.load(weights_only=True)`` (setup.py: torch >= 2.6)."""
-    torch.serialization.add_safe_globals(CHECKPOINT_SAFE_GLOBALS)
+    """Allowlist the classes above for ``torch.load(weights_only=True)``."""
+    if HAS_ALLOWLIST:
+        torch.serialization.add_safe_globals(CHECKPOINT_SAFE_GLOBALS)
+
+
+def load_plain(path: str) -> dict:
+    """A checkpoint's raw contents, unpickled as restrictively as this torch allows: with
+    ``weights_only`` where the allowlist exists, else with torch's (and fairseq's) default."""
+    return torch.load(path, map_location="cpu", weights_only=HAS_ALLOWLIST)
 
 
 allow_fairseq_checkpoints()
@@ -57,6 +71,12 @@ def _unreadable(exc: BaseException) -> bool:
         s in message for s in ("PytorchStreamReader", "magic number", "zip archive"))
 
 
+def _raised_by_torch_load(exc: BaseException) -> bool:
+    """Whether torch's reader itself failed (rather than fairseq, after reading the file)."""
+    return any(frame.f_code.co_filename == torch.serialization.__file__
+               for frame, _ in traceback.walk_tb(exc.__traceback__))
+
+
 def explain_unreadable_checkpoints(load):
     """Wrap fairseq's ``load_checkpoint_to_cpu`` so a damaged file gives one clear line."""
     if getattr(load, "explains_unreadable", False):
@@ -70,7 +90,8 @@ def explain_unreadable_checkpoints(load):
             # torch writes zip files; a file that is not one is damaged (or not a checkpoint)
             not_a_zip = (isinstance(path, str) and os.path.isfile(path)
                          and not zipfile.is_zipfile(path))
-            if _refused_by_weights_only(e) or not (_unreadable(e) or not_a_zip):
+            damaged = _unreadable(e) or (not_a_zip and _raised_by_torch_load(e))
+            if _refused_by_weights_only(e) or not damaged:
                 raise
             first = ("not the zip archive torch writes" if not_a_zip
                      else (str(e).strip().splitlines() or [type(e).__name__])[0])

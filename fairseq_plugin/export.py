@@ -44,6 +44,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from torch import Tensor
 
+from .checkpoints import HAS_ALLOWLIST, load_plain
 from .errors import PluginError
 from .models.annotated_transformer import resolved_model_config
 from .modules.embeddings import SinusoidalPositionalEncoding
@@ -155,10 +156,22 @@ def transformer_state_dict(ours: Dict[str, Tensor], args: Namespace, src_pad: in
     return m.out
 
 
+# fairseq 0.12.2's encoder layers also hold copies of their attention and feed-forward weights,
+# stacked for PyTorch's fused encoder layer; fairseq fills them from q/k/v_proj, out_proj, fc1 and
+# fc2 whenever it loads a state dict (fairseq-fixed has none of them).
+FAIRSEQ_FAST_PATH_COPIES = ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias",
+                            "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
+
+
+def _filled_by_fairseq(name: str) -> bool:
+    return name.startswith("encoder.layers.") and name.rsplit(".", 1)[-1] in FAIRSEQ_FAST_PATH_COPIES
+
+
 def load_into_transformer(model: torch.nn.Module, mapped: Dict[str, Tensor]) -> None:
-    """Load mapped parameters into a fairseq TransformerModel; every parameter must be given."""
+    """Load mapped parameters into a fairseq TransformerModel; every parameter must be given
+    (but the fast-path copies, which fairseq derives from the others as it loads them)."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    missing = [k for k in params if k not in mapped]
+    missing = [k for k in params if k not in mapped and not _filled_by_fairseq(k)]
     if missing:
         raise PluginError(f"cannot export: fairseq's transformer needs {missing[0]}, which this "
                           "model has no counterpart for")
@@ -206,6 +219,19 @@ def max_logit_difference(ours, theirs, src_dict, tgt_dict) -> float:
     a = ours(**net_input)[0][real]
     b = theirs(**net_input)[0][real]
     return float((a - b).abs().max())
+
+
+def fairseq_cannot_run(error: RuntimeError) -> str:
+    """Why the installed fairseq's own transformer failed on the converted model."""
+    import fairseq
+
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    reason = f"fairseq {fairseq.__version__}'s transformer fails on this model ({first})"
+    if "Mask Type should be defined" in first:  # fairseq 0.12.2 with torch >= 1.13
+        reason += ("; its post-LN encoder fast path breaks on padded batches in fairseq-generate "
+                   "too (fairseq #4858): export a pre-LN model (trained without --post-norm), "
+                   "or use fairseq-fixed (Python >= 3.11)")
+    return reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,14 +288,17 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
                                     task.target_dictionary.pad())
     theirs = models.build_model(copy.deepcopy(args), task)
     load_into_transformer(theirs, mapped)
-    diff = max_logit_difference(ours_model, theirs, task.source_dictionary,
-                                task.target_dictionary)
+    try:
+        diff = max_logit_difference(ours_model, theirs, task.source_dictionary,
+                                    task.target_dictionary)
+    except RuntimeError as e:
+        raise PluginError(f"cannot export: {fairseq_cannot_run(e)}") from e
     if not diff <= TOLERANCE:
         raise PluginError(f"cannot export: the converted model's logits differ by {diff:.2e} "
                           f"(more than {TOLERANCE:g}) from the original's")
     log(f"annotated-export-fairseq: same logits as the original (max |diff| {diff:.1e})")
 
-    raw = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    raw = load_plain(checkpoint)
     raw_cfg = raw["cfg"]
     raw_cfg["model"] = vars(args)
     common = dict(raw_cfg.get("common") or {})
@@ -310,7 +339,9 @@ def to_ctranslate2(exported: dict, data: str, output_dir: str, args: Namespace, 
     """Convert with CTranslate2's own fairseq converter.
 
     The converter reads ``cfg["model"]`` with attribute access, so it is given a copy whose
-    model configuration is a Namespace (which this plugin lets torch load with weights_only).
+    model configuration is a Namespace, which this plugin lets torch >= 2.4 load with
+    weights_only. Older torch has no allowlist: there the converter unpickles that copy fully,
+    safe because it is the file written here a moment ago, in a private temporary directory.
     """
     try:
         from ctranslate2.converters import FairseqConverter
@@ -321,7 +352,8 @@ def to_ctranslate2(exported: dict, data: str, output_dir: str, args: Namespace, 
         path = os.path.join(tmp, "transformer.pt")
         torch.save({**exported, "cfg": {**exported["cfg"], "model": copy.deepcopy(args)}}, path)
         converter = FairseqConverter(path, data, source_lang=args.source_lang,
-                                     target_lang=args.target_lang)
+                                     target_lang=args.target_lang,
+                                     unsafe_deserialization=not HAS_ALLOWLIST)
         try:
             converter.convert(output_dir, force=force)
         except ValueError as e:  # CTranslate2 explains unsupported options in a ValueError

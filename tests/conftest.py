@@ -35,6 +35,26 @@ def build_tiny_model(dictionary=None, tgt_dictionary=None, **overrides):
     return model.eval()
 
 
+def torch_version():
+    """(major, minor) of the installed torch."""
+    return tuple(int(p) for p in torch.__version__.split(".")[:2])
+
+
+def _cpu_multiplies(dtype) -> bool:
+    try:
+        torch.ones(2, 2, dtype=dtype) @ torch.ones(2, 2, dtype=dtype)
+        return True
+    except RuntimeError:  # torch 2.1: "addmm_impl_cpu_" not implemented for 'Half'
+        return False
+
+
+# the half-precision dtypes, each where this torch can compute with it on the CPU
+CPU_HALF_DTYPES = [
+    pytest.param(dtype, marks=pytest.mark.skipif(
+        not _cpu_multiplies(dtype), reason=f"this torch has no {dtype} matrix product on the CPU"))
+    for dtype in (torch.float16, torch.bfloat16)]
+
+
 def random_tokens(dictionary, batch, length, generator=None):
     """Real (non-special) tokens, shape (batch, length)."""
     return torch.randint(dictionary.nspecial, len(dictionary), (batch, length), generator=generator)

@@ -5,6 +5,7 @@ import torch
 
 from fairseq_plugin.errors import PluginError
 from fairseq_plugin import reference
+from conftest import CPU_HALF_DTYPES
 from fairseq_plugin.modules.attention import (
     EXPLICIT,
     FUSED,
@@ -121,7 +122,7 @@ def test_fully_padded_row_zeroed_also_on_torch_without_it(monkeypatch):
     assert torch.allclose(out, expected, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", CPU_HALF_DTYPES)
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_half_precision_gives_no_inf_and_stays_close_to_fp32(dtype, need_weights):
     attn = MultiHeadedAttention(4, 64, self_attention=False).eval()

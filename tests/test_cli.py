@@ -8,6 +8,7 @@ import pytest
 import torch
 from fairseq.data import Dictionary
 
+from fairseq_plugin import checkpoints
 from fairseq_plugin.cli import reverse_task
 from conftest import PLUGIN_DIR, REPO, REVERSE_EPOCHS, REVERSE_SEED, cli, preprocess_reverse
 
@@ -36,37 +37,45 @@ def test_interactive_translates_stdin_like_generate(reverse_run, generated):
     assert sum(h == " ".join(reversed(s.split())) for h, s in zip(hyps, sources)) >= 8
 
 
-def test_checkpoint_loads_with_weights_only_under_torch_2_6_without_env_var(reverse_run):
-    """A checkpoint of this version holds plain containers only (the model's options are a
-    dataclass config); one written before (tests/data/pre_redesign) holds argparse.Namespace,
-    which the plugin's allowlist admits, and nothing else is admitted."""
-    assert tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 6)
+def _load_with_weights_only(reverse_run, import_plugin: bool):
+    """torch.load(weights_only=True) (torch >= 2.6's default) in a fresh process, without
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD, of: a checkpoint of this version, one written before the
+    dataclass configs (tests/data/pre_redesign, holds argparse.Namespace) and a malicious pickle."""
     script = (
-        "import sys, torch\n"
-        "def load(path):\n"
+        "import io, os, sys, torch\n"
+        + (f"sys.path.insert(0, {os.path.dirname(PLUGIN_DIR)!r}); import fairseq_plugin\n"
+           if import_plugin else "")
+        + "def load(f):\n"
         "    try:\n"
-        "        state = torch.load(path)\n"  # default weights_only=True
-        "        return 'loaded' if state['args'] is None and 'cfg' in state else 'odd'\n"
-        "    except Exception as e:\n"
+        "        state = torch.load(f, weights_only=True)\n"
+        "    except Exception:\n"
         "        return 'refused'\n"
-        "print('before', load(sys.argv[1]), load(sys.argv[2]))\n"
-        f"sys.path.insert(0, {os.path.dirname(PLUGIN_DIR)!r})\n"
-        "import fairseq_plugin\n"
-        "print('after', load(sys.argv[1]), load(sys.argv[2]))\n"
-        "import pickle, io, os\n"
+        "    return 'loaded' if state.get('args') is None and 'cfg' in state else 'odd'\n"
         "class Evil:\n"
         "    def __reduce__(self): return (os.getcwd, ())\n"
-        "buf = io.BytesIO(); torch.save({'x': Evil()}, buf); buf.seek(0)\n"
-        "try:\n"
-        "    torch.load(buf); print('evil-loaded')\n"
-        "except Exception: print('evil-refused')\n"
+        "buf = io.BytesIO(); torch.save({'cfg': Evil()}, buf); buf.seek(0)\n"
+        "print(load(sys.argv[1]), load(sys.argv[2]), load(buf))\n"
     )
     env = dict(os.environ)
     env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     old = os.path.join(REPO, "tests", "data", "pre_redesign", "checkpoint.pt")
-    out = subprocess.run([sys.executable, "-c", script, str(reverse_run["checkpoint"]), old],
-                         capture_output=True, text=True, env=env, check=True).stdout.split()
-    assert out == ["before", "loaded", "refused", "after", "loaded", "loaded", "evil-refused"]
+    return subprocess.run([sys.executable, "-c", script, str(reverse_run["checkpoint"]), old],
+                          capture_output=True, text=True, env=env, check=True).stdout.split()
+
+
+def test_checkpoint_of_this_version_loads_with_weights_only_without_the_plugin(reverse_run):
+    """It holds plain containers only (the model's options are a dataclass config); the old
+    format's argparse.Namespace and any other class are refused."""
+    assert _load_with_weights_only(reverse_run, import_plugin=False) == [
+        "loaded", "refused", "refused"]
+
+
+@pytest.mark.skipif(not checkpoints.HAS_ALLOWLIST,
+                    reason="torch < 2.4 has no weights_only allowlist (torch.load's default there "
+                           "reads argparse.Namespace, as fairseq 0.12.2 expects)")
+def test_plugin_allowlists_the_old_checkpoints_namespace_and_nothing_else(reverse_run):
+    assert _load_with_weights_only(reverse_run, import_plugin=True) == [
+        "loaded", "loaded", "refused"]
 
 
 def test_restore_file_continues_training(reverse_run, tmp_path):

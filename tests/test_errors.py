@@ -10,6 +10,7 @@ import torch
 from fairseq import checkpoint_utils
 
 from fairseq_plugin.errors import TRACEBACK_VARIABLE, PluginError, one_line_error
+from conftest import torch_version
 
 RAISE = ("import fairseq_plugin\n"
          "def load():\n"
@@ -74,6 +75,17 @@ def test_plugin_errors_re_raised_by_fairseq_stay_one_line():
     assert one_line_error(raised(unrelated)) is None
 
 
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_a_checkpoint_torch_reads_but_fairseq_cannot_use_is_not_called_damaged(tmp_path,
+                                                                               zip_format):
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": {}}, path, _use_new_zipfile_serialization=zip_format)
+    error = raised(lambda: checkpoint_utils.load_checkpoint_to_cpu(str(path)))
+    assert isinstance(error, KeyError) and not isinstance(error, PluginError)  # fairseq's own
+
+
+@pytest.mark.skipif(torch_version() < (2, 6), reason="torch < 2.6 loads checkpoints without "
+                                                     "weights_only by default: nothing refuses")
 @pytest.mark.parametrize("zip_format", [True, False])
 def test_a_checkpoint_refused_by_weights_only_is_not_called_damaged(tmp_path, zip_format):
     path = tmp_path / "checkpoint.pt"

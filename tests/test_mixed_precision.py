@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import build_tiny_model, make_dictionary, random_tokens
+from conftest import CPU_HALF_DTYPES, build_tiny_model, make_dictionary, random_tokens
 from fairseq_plugin.criterions.annotated_label_smoothing import annotated_label_smoothing_loss
 
 
@@ -18,7 +18,7 @@ def padded_batch(d):
     return src, src.ne(d.pad()).sum(1), prev, tgt
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", CPU_HALF_DTYPES)
 def test_half_precision_model_gives_finite_outputs_close_to_fp32(dtype):
     d = make_dictionary(50)
     model = build_tiny_model(d)
@@ -38,7 +38,7 @@ def test_half_precision_model_gives_finite_outputs_close_to_fp32(dtype):
     assert torch.isfinite(loss) and torch.isfinite(nll)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", CPU_HALF_DTYPES)
 def test_half_precision_incremental_decoding_matches_its_full_pass(dtype):
     d = make_dictionary(50)
     model = build_tiny_model(d).to(dtype)

@@ -26,7 +26,8 @@ from ..errors import PluginError
 from .cache import BeamReorder, KeyValueCache, SelfAttentionCache, SourceAttentionCache
 
 # Since torch 2.5, scaled_dot_product_attention returns zeros for a query whose boolean mask allows
-# no key; older versions return NaN there, so we zero such rows ourselves.
+# no key (a left-padded target's padding); older versions return NaN there, in the output and in
+# the gradients, so we let such a query see every key and zero its row afterwards.
 _SDPA_ZEROES_EMPTY_ROWS = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 FUSED, EXPLICIT = "fused", "explicit"
@@ -99,11 +100,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool
         mask, causal = (causal_part if mask is None else mask & causal_part), False
     if kernel == EXPLICIT:
         return attention_reference(q, k, v, mask, dropout)
+    empty = None
+    if mask is not None and mask.dtype == torch.bool and not _SDPA_ZEROES_EMPTY_ROWS:
+        empty = ~mask.any(-1, keepdim=True)  # queries with no key to attend to
+        mask = mask | empty
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                          dropout_p=dropout.p if dropout.training else 0.0)
-    if mask is not None and mask.dtype == torch.bool and not _SDPA_ZEROES_EMPTY_ROWS:
-        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
-    return out, None
+    return (out if empty is None else out.masked_fill(empty, 0.0)), None
 
 
 @with_incremental_state
