@@ -25,10 +25,7 @@ PYTHON310 ?= $(firstword $(shell command -v python3.10) \
 VENV310 ?= .venv310
 TORCH310 ?= torch==2.1.2 torchaudio==2.1.2 numpy<2
 LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= PIP="pip<24.1"
-# what the lane runs: the CLI pipeline, incremental decoding, export, checkpoint loading, ...
-TESTS310 ?= tests/test_cli.py tests/test_incremental_decoding.py tests/test_export.py \
-            tests/test_errors.py tests/test_model.py tests/test_attention.py \
-            tests/test_criterion_and_schedule.py tests/test_mixed_precision.py
+TESTS310 ?= tests
 
 .PHONY: demo demo-reverse test test-main test-fairseq-0.12.2 test-gpu install install310 clean FORCE
 

@@ -3,7 +3,7 @@
 import sys
 import time
 
-from fairseq_plugin.cli.common import run, training_progress
+from fairseq_plugin.cli.common import generation_progress, run, training_progress
 
 LINE = ("2026-11-23 05:00:00 | INFO | train_inner | epoch 002:     40 / 160 loss=5.1, "
         "nll_loss=4.2, ppl=18.4, wps=4900, ups=2.50, wpb=1960, num_updates=200, lr=0.0005")
@@ -30,3 +30,29 @@ def test_the_runner_echoes_a_line_before_the_child_exits(tmp_path, monkeypatch):
     assert len(progress) == 1
     assert progress[0][0] < finished - 2.0  # shown about 3 s before the child exits
     assert (tmp_path / "train.log").read_text().splitlines() == [LINE, "done"]
+
+
+GENERATE_LINE = "2026-11-23 05:00:00 | INFO | fairseq_cli.generate | :      3 / 12 wps=1500"
+
+
+def test_a_generation_batch_becomes_a_progress_line_with_time_left():
+    assert generation_progress(GENERATE_LINE, seconds=30.0) == (
+        "batch 3/12, 1500 target tokens/s, about 1.5 min left")
+    assert generation_progress(LINE, seconds=30.0) is None  # a training interval
+    assert generation_progress("S-3\tein Satz", seconds=1.0) is None
+
+
+def test_the_runner_shows_generation_progress_while_translations_go_to_their_file(tmp_path):
+    child = ("import sys, time; print('H-0\\tfirst'); "
+             f"print({GENERATE_LINE!r}, file=sys.stderr); sys.stderr.flush(); time.sleep(3); "
+             "print('H-1\\tsecond')")
+    seen = []
+    start = time.monotonic()
+    run([sys.executable, "-c", child], tmp_path / "generate.log",
+        output_path=tmp_path / "generate.txt",
+        echo=lambda text, flush=True: seen.append((time.monotonic() - start, text)))
+    finished = time.monotonic() - start
+    progress = [(t, text) for t, text in seen if text.startswith("  batch 3/12")]
+    assert len(progress) == 1 and progress[0][0] < finished - 2.0
+    assert (tmp_path / "generate.txt").read_text().splitlines() == ["H-0\tfirst", "H-1\tsecond"]
+    assert (tmp_path / "generate.log").read_text().splitlines() == [GENERATE_LINE]

@@ -3,6 +3,7 @@ sacreBLEU, checkpoint averaging — on a small slice of the bundled Tatoeba samp
 
 import gzip
 import os
+import re
 
 import pytest
 import torch
@@ -104,6 +105,11 @@ def test_short_run_generates_and_scores_with_sacrebleu(trained):
                for line in lines)
     assert any(line.startswith("signature: nrefs:1|case:mixed|eff:no|tok:13a") for line in lines)
     assert sum(line.strip().startswith("hypothesis") for line in lines) == 2
+    # fairseq-generate's progress, a line per batch on stderr; its log next to the checkpoint
+    assert re.search(r"^  batch 1/1, \d+ target tokens/s, about [\d.]+ min left$", proc.stderr,
+                     re.M), proc.stderr[-2000:]
+    assert "H-59\t" in (ckpt / "generate-test.txt").read_text()
+    assert ":      1 / 1 wps=" in (ckpt / "generate-test.log").read_text()
     # the length penalty is chosen on the validation set
     proc = cli("annotated-evaluate-bleu", w / "bin", ckpt / "checkpoint_last.pt", "--examples", "0",
                "--subset", "valid", "--lenpen", "1.5")

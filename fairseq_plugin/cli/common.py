@@ -5,6 +5,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from typing import Optional
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,20 +37,39 @@ def training_progress(line: str, epochs: Optional[int] = None) -> Optional[str]:
     return f"epoch {epoch}: update {done}/{total}, {ups:.2f} updates/s, {when} {scope}"
 
 
-def run(cmd, log_path, echo_if=None, epochs=None, echo=print):
+_BATCHES = re.compile(r":\s+(\d+) / (\d+) wps=(\d+)")
+
+
+def generation_progress(line: str, seconds: float) -> Optional[str]:
+    """fairseq-generate's per-batch line (--log-format simple --log-interval 1) as a progress
+    line with the speed and the time left, estimated from the ``seconds`` spent so far."""
+    m = _BATCHES.search(line)
+    if m is None or "train_inner" in line:
+        return None
+    done, total, wps = int(m[1]), int(m[2]), int(m[3])
+    left = seconds / done * (total - done)
+    return f"batch {done}/{total}, {wps} target tokens/s, about {left / 60:.1f} min left"
+
+
+def run(cmd, log_path, echo_if=None, epochs=None, echo=print, output_path=None):
     """Run a command and log all its output as it comes; echo the lines containing ``echo_if``
-    and, for fairseq-train, a progress line per log interval (``epochs``: for the estimate)."""
+    and a progress line per log interval of fairseq-train (``epochs``: for the estimate) or
+    batch of fairseq-generate. ``output_path``: the child's stdout goes there instead (e.g.
+    fairseq-generate's translations), its stderr to the log."""
     cmd = [str(c) for c in cmd]
     echo("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    with open(log_path, "w") as log:
+    started = time.monotonic()
+    with open(log_path, "w") as log, open(output_path or os.devnull, "w") as output:
         # unbuffered: a child writing to a pipe would otherwise hold its lines back for minutes
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env)
-        for line in proc.stdout:
+        proc = subprocess.Popen(cmd, stdout=output if output_path else subprocess.PIPE,
+                                stderr=subprocess.PIPE if output_path else subprocess.STDOUT,
+                                text=True, env=env)
+        for line in proc.stderr if output_path else proc.stdout:
             log.write(line)
             log.flush()
-            progress = training_progress(line, epochs)
+            progress = (training_progress(line, epochs)
+                        or generation_progress(line, time.monotonic() - started))
             if progress is not None:
                 echo("  " + progress, flush=True)
             elif echo_if and echo_if in line:

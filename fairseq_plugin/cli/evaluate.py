@@ -12,17 +12,19 @@ Choose --lenpen on --subset valid, then report test with it.
 """
 
 import argparse
+import functools
 import json
 import os
-import subprocess
 import sys
 
-from .common import fairseq_cli, plugin_dir
+from .common import fairseq_cli, plugin_dir, run
 
 
 def generate_detokenised(data_bin, checkpoint, beam=5, max_tokens=4096, subset="test",
-                         extra=()):
-    """Run fairseq-generate; return {sentence id: detokenised hypothesis}."""
+                         extra=(), echo=print):
+    """Run fairseq-generate, echoing a progress line per batch; return {sentence id:
+    detokenised hypothesis}. Its output and log go next to the checkpoint
+    (generate-SUBSET.txt, generate-SUBSET.log)."""
     with open(os.path.join(data_bin, "prepare.json")) as f:
         settings = json.load(f)
     cmd = [fairseq_cli("fairseq-generate"), data_bin,
@@ -32,13 +34,14 @@ def generate_detokenised(data_bin, checkpoint, beam=5, max_tokens=4096, subset="
            # fairseq drops a last batch that is not a multiple of 8 (fairseq issue #5036)
            "--required-batch-size-multiple", "1",
            "--tokenizer", "moses", "--bpe", "subword_nmt",
-           "--bpe-codes", os.path.join(data_bin, settings["bpe_codes"]), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-3000:])
-        raise SystemExit(f"annotated-evaluate-bleu: error: fairseq-generate failed (exit {proc.returncode})")
+           "--bpe-codes", os.path.join(data_bin, settings["bpe_codes"]),
+           "--log-format", "simple", "--log-interval", "1", *extra]
+    stem = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), f"generate-{subset}")
+    run(cmd, stem + ".log", output_path=stem + ".txt", echo=echo)
     hyps = {}
-    for line in proc.stdout.splitlines():
+    with open(stem + ".txt", encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for line in lines:
         if line.startswith("D-"):
             idx, _score, text = line.split("\t", 2)
             hyps[int(idx[2:])] = text
@@ -75,7 +78,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     hyps, settings = generate_detokenised(args.data_bin, args.checkpoint, args.beam,
                                           subset=args.subset,
-                                          extra=["--lenpen", str(args.lenpen)])
+                                          extra=["--lenpen", str(args.lenpen)],
+                                          echo=functools.partial(print, file=sys.stderr))
     result, signature, triples = score(args.data_bin, hyps, settings, args.subset)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
