@@ -44,7 +44,7 @@ def generation_progress(line: str, seconds: float) -> Optional[str]:
     """fairseq-generate's per-batch line (--log-format simple --log-interval 1) as a progress
     line with the speed and the time left, estimated from the ``seconds`` spent so far."""
     m = _BATCHES.search(line)
-    if m is None or "train_inner" in line:
+    if m is None:
         return None
     done, total, wps = int(m[1]), int(m[2]), int(m[3])
     left = seconds / done * (total - done)
