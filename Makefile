@@ -20,8 +20,9 @@ WORK ?= work
 # rejects omegaconf 2.0.6's metadata); torch < 2.3 needs NumPy 1; torchaudio is pinned with torch
 # because fairseq 0.12.2 requires it and its newest release would pull a newer torch. PyPI has
 # only CUDA builds of torch for Python 3.10 (torch 2.1.2 and its CUDA libraries: about 2.5 GB).
-PYTHON310 ?= $(firstword $(shell command -v python3.10) \
-                         $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10))
+# the first python3.10 that runs (a pyenv shim of a version not selected does not)
+PYTHON310 ?= $(shell for p in $(HOME)/.pyenv/versions/3.10*/bin/python3.10 python3.10; do \
+                       "$$p" -c "" 2>/dev/null && { command -v "$$p"; break; }; done)
 VENV310 ?= .venv310
 TORCH310 ?= torch==2.1.2 torchaudio==2.1.2 numpy<2
 LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= PIP="pip<24.1"
