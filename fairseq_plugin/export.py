@@ -221,17 +221,20 @@ def max_logit_difference(ours, theirs, src_dict, tgt_dict) -> float:
     return float((a - b).abs().max())
 
 
+def fairseq_post_ln_bug(error: RuntimeError) -> bool:
+    """fairseq 0.12.2's post-LN encoder fast path, with torch >= 1.13, on a padded batch."""
+    return "Mask Type should be defined" in str(error)
+
+
 def fairseq_cannot_run(error: RuntimeError) -> str:
-    """Why the installed fairseq's own transformer failed on the converted model."""
+    """Why the installed fairseq's own transformer cannot run the converted model."""
     import fairseq
 
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    reason = f"fairseq {fairseq.__version__}'s transformer fails on this model ({first})"
-    if "Mask Type should be defined" in first:  # fairseq 0.12.2 with torch >= 1.13
-        reason += ("; its post-LN encoder fast path breaks on padded batches in fairseq-generate "
-                   "too (fairseq #4858): export a pre-LN model (trained without --post-norm), "
-                   "or use fairseq-fixed (Python >= 3.11)")
-    return reason
+    return (f"fairseq {fairseq.__version__}'s transformer fails on this model ({first}); its "
+            "post-LN encoder fast path breaks on padded batches in fairseq-generate too (fairseq "
+            "#4858): export a pre-LN model (trained without --post-norm), or use fairseq-fixed "
+            "(Python >= 3.11)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,6 +295,8 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
         diff = max_logit_difference(ours_model, theirs, task.source_dictionary,
                                     task.target_dictionary)
     except RuntimeError as e:
+        if not fairseq_post_ln_bug(e):
+            raise  # any other failure keeps its traceback
         raise PluginError(f"cannot export: {fairseq_cannot_run(e)}") from e
     if not diff <= TOLERANCE:
         raise PluginError(f"cannot export: the converted model's logits differ by {diff:.2e} "
