@@ -3,7 +3,8 @@
 
 Both architectures get identical hyper-parameters and data; runs alternate A B B A A B ... over
 --rounds rounds in one invocation, and the table gives medians and the median of the per-round
-ratios (ours / fairseq's):
+ratios (ours / fairseq's). ``--before DIR`` adds the annotated_transformer of another checkout's
+plugin directory to every round (A B C C B A ...), for before/after figures from one run:
 
 - training: target words/s through fairseq-train (median of the logged intervals after the
   first), and the process's peak resident memory;
@@ -22,7 +23,11 @@ generated corpus with a Zipf-like vocabulary (~6k types) whose source and target
 are drawn independently, so its batches carry more target padding; or a prepared --data-bin.
 The padding share of the training batches is printed: the model skips padding in its
 feed-forward sub-layers, so it matters. Sizes: d_model 256, 4+4 layers, d_ff 1024, 4 heads by
-default; --preset base|iwslt|tiny for others. Absolute numbers move +-10% between runs on shared
+default; --preset base|iwslt|tiny for others.
+
+--device cuda runs fairseq on the GPU in --precision fp16 (default there) or bf16 or fp32, and
+reads peak memory from torch.cuda.max_memory_allocated (resident memory on the CPU); GPU steps
+are fast, so give it more --train-updates (e.g. 200) and a larger --max-tokens (e.g. 8192). Absolute numbers move +-10% between runs on shared
 machines: read the ratios.
 """
 
@@ -44,7 +49,7 @@ PRESETS = {  # layers, d_model, d_ff, heads
     "iwslt": (6, 512, 1024, 4),
     "base": (6, 512, 2048, 8),
 }
-ARCHS = ("annotated_transformer", "transformer")
+OURS, THEIRS, BEFORE = "annotated_transformer", "transformer", "annotated_transformer@before"
 
 
 def zipf_corpus(path, n_sentences, vocab, rng, min_len=8, max_len=40, exponent=1.1):
@@ -113,28 +118,57 @@ def model_flags(preset):
             "--share-all-embeddings", "--dropout", "0.1"]
 
 
-def run_measured(cmd):
-    """Run a command; return (stdout + stderr, peak resident memory in MB)."""
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+# fairseq's CLI run in a Python that prints the CUDA allocator's peak when the CLI exits
+CUDA_PEAK = ("import atexit, runpy, sys, torch; sys.argv = sys.argv[1:]; atexit.register(lambda: "
+             "print('cuda peak MB', torch.cuda.max_memory_allocated() / 2 ** 20, flush=True)); "
+             "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+class Device:
+    """Where fairseq runs: its flags, and how its peak memory is read (the process's resident
+    memory on the CPU, torch.cuda.max_memory_allocated on a GPU)."""
+
+    def __init__(self, kind: str = "cpu", precision: str = "fp32"):
+        self.kind, self.precision = kind, precision
+
+    def flags(self):
+        return (["--cpu"] if self.kind == "cpu" else []) + (
+            [] if self.precision == "fp32" else [f"--{self.precision}"])
+
+    def command(self, cmd):
+        return cmd if self.kind == "cpu" else [sys.executable, "-c", CUDA_PEAK, *cmd]
+
+    def peak_mb(self, out: str, rss_mb: float) -> float:
+        if self.kind == "cpu":
+            return rss_mb
+        return float(out.rsplit("cuda peak MB ", 1)[1].split()[0])
+
+
+CPU = Device()
+
+
+def run_measured(cmd, device=CPU):
+    """Run a command; return (stdout + stderr, peak memory in MB)."""
+    cmd = device.command([str(c) for c in cmd])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         sys.stderr.write(out[-3000:])
         raise SystemExit(f"benchmark: error: {os.path.basename(str(cmd[0]))} failed")
-    return out, usage.ru_maxrss / 1024.0
+    return out, device.peak_mb(out, usage.ru_maxrss / 1024.0)
 
 
-def train_run(data_bin, arch, preset, save_dir, updates, max_tokens):
+def train_run(data_bin, arch, preset, save_dir, updates, max_tokens, user_dir, device=CPU):
     out, rss = run_measured([
-        fairseq_cli("fairseq-train"), data_bin, "--user-dir", plugin_dir(), "--arch", arch,
+        fairseq_cli("fairseq-train"), data_bin, "--user-dir", user_dir, "--arch", arch,
         *model_flags(preset), "--criterion", "label_smoothed_cross_entropy",
         "--label-smoothing", "0.1", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
         "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
-        "--max-tokens", max_tokens, "--max-update", updates, "--seed", "1", "--cpu",
+        "--max-tokens", max_tokens, "--max-update", updates, "--seed", "1", *device.flags(),
         "--save-dir", save_dir, "--no-epoch-checkpoints", "--disable-validation",
-        "--log-format", "json", "--log-interval", "5", "--num-workers", "0"])
+        "--log-format", "json", "--log-interval", "5", "--num-workers", "0"], device)
     wps = [float(json.loads(line[line.index("{"):])["wps"])
            for line in out.splitlines() if "train_inner" in line and "{" in line]
     if len(wps) < 2:
@@ -142,13 +176,13 @@ def train_run(data_bin, arch, preset, save_dir, updates, max_tokens):
     return statistics.median(wps[1:]), rss
 
 
-def generate_run(data_bin, checkpoint, length, max_tokens, shards=1):
+def generate_run(data_bin, checkpoint, length, max_tokens, user_dir, shards=1, device=CPU):
     """fairseq-generate --beam 5 on the test set (its first of ``shards`` shards)."""
     out, rss = run_measured([
-        fairseq_cli("fairseq-generate"), data_bin, "--user-dir", plugin_dir(),
+        fairseq_cli("fairseq-generate"), data_bin, "--user-dir", user_dir,
         "--path", checkpoint, "--beam", "5", "--min-len", length, "--max-len-a", "0",
         "--max-len-b", length, "--max-tokens", max_tokens, "--required-batch-size-multiple", "1",
-        "--num-shards", shards, "--shard-id", "0", "--cpu"])
+        "--num-shards", shards, "--shard-id", "0", *device.flags()], device)
     for line in out.splitlines():
         if "Translated" in line and "tokens/s" in line:
             return float(line.split("sentences/s, ")[1].split(" tokens/s")[0]), rss
@@ -192,7 +226,7 @@ def ctranslate2_worker(data_bin, checkpoint, length, max_tokens, work):
     print(json.dumps({"tps": tokens / seconds, "per_hyp": tokens / len(results)}))
 
 
-def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=3):
+def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=3, device=CPU):
     """annotated_transformer: seconds per decoding with and without the cache."""
     import torch
     from fairseq import checkpoint_utils
@@ -202,14 +236,16 @@ def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=3):
 
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
         [checkpoint], arg_overrides={"data": data_bin})
-    model = models[0].eval()
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    model = models[0].eval().to(device=device.kind, dtype=dtype[device.precision])
 
     recomputing = without_cache(model)
     d = task.source_dictionary
     g = torch.Generator().manual_seed(0)
     src = torch.randint(d.nspecial, len(d), (n_sentences, 24), generator=g)
     src[:, -1] = d.eos()
-    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((n_sentences,), 24)}}
+    sample = {"net_input": {"src_tokens": src.to(device.kind),
+                            "src_lengths": torch.full((n_sentences,), 24, device=device.kind)}}
     rows = []
     for beam in (1, 5):
         for length in lengths:
@@ -222,10 +258,19 @@ def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=3):
                     start = time.perf_counter()
                     with torch.no_grad():
                         gen.generate([m], sample)
+                    if device.kind == "cuda":
+                        torch.cuda.synchronize()
                     runs.append(time.perf_counter() - start)
                 times[name] = min(runs)
             rows.append((beam, length, times["cached"], times["recomputed"]))
     return rows
+
+
+def ratio_row(label, name, ours, theirs):
+    """A table row: the medians, the median of the per-round ratios and the ratios."""
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return (f"| {label} | {name} | {statistics.median(ours):.0f} | {statistics.median(theirs):.0f}"
+            f" | {statistics.median(ratios):.2f}x | {' '.join(f'{x:.2f}' for x in ratios)} |")
 
 
 def main(argv=None):
@@ -249,11 +294,26 @@ def main(argv=None):
     p.add_argument("--skip-cache", action="store_true", help="skip the cache measurements")
     p.add_argument("--skip-ctranslate2", action="store_true",
                    help="skip decoding the exported model with CTranslate2")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: fairseq on the GPU, peak memory = torch.cuda.max_memory_allocated")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=None,
+                   help="fairseq's --fp16/--bf16 (default: fp32 on cpu, fp16 on cuda)")
+    p.add_argument("--before", metavar="PLUGIN_DIR",
+                   help="also run the annotated_transformer of another checkout, e.g. "
+                        "../old/fairseq_plugin (git worktree add ../old COMMIT), in the same "
+                        "rounds: before/after figures from one run")
     p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.ctranslate2_worker:
         return ctranslate2_worker(*json.loads(args.ctranslate2_worker))
 
+    device = Device(args.device, args.precision or ("fp32" if args.device == "cpu" else "fp16"))
+    import torch
+
+    if device.kind == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
+    if device.kind == "cuda" and not args.skip_ctranslate2:
+        p.error("the CTranslate2 comparison runs on the CPU only: add --skip-ctranslate2")
     work = args.work_dir or tempfile.mkdtemp(prefix="benchmark-")
     os.makedirs(work, exist_ok=True)
     if args.data_bin:
@@ -265,63 +325,64 @@ def main(argv=None):
     src_pad, tgt_pad, n_test = batch_padding(data_bin, args.max_tokens)
     shards = max(1, n_test // args.test_sentences)  # decode about --test-sentences sentences
     print(f"benchmark: preset {args.preset} {PRESETS[args.preset]} (layers, d_model, d_ff, "
-          f"heads), {args.rounds} rounds, data {data_bin}, torch threads "
+          f"heads), {args.rounds} rounds, {device.kind} {device.precision}, data {data_bin}, "
+          f"torch threads "
           f"{os.environ.get('OMP_NUM_THREADS', 'default')}\n"
           f"training batches: {src_pad:.1%} source and {tgt_pad:.1%} target positions are "
           f"padding; decoding {n_test // shards} of {n_test} test sentences", flush=True)
-    results = {arch: {"train_wps": [], "train_mb": [], "gen_tps": [], "gen_mb": []}
-               for arch in ARCHS}
+    # contestants: (name, --arch, --user-dir); --before adds another checkout's plugin
+    contestants = [(OURS, OURS, plugin_dir()), (THEIRS, THEIRS, plugin_dir())]
+    if args.before:
+        contestants.append((BEFORE, OURS, os.path.abspath(args.before)))
+    results = {name: {"train_wps": [], "train_mb": [], "gen_tps": [], "gen_mb": []}
+               for name, _, _ in contestants}
     ct2_tps, ct2_mb = [], []
     for r in range(args.rounds):
-        for arch in (ARCHS if r % 2 == 0 else ARCHS[::-1]):  # order alternated between rounds
-            save = os.path.join(work, f"{arch}-round{r}")
+        # order alternated between rounds: A B C, C B A, A B C, ...
+        for name, arch, user_dir in (contestants if r % 2 == 0 else contestants[::-1]):
+            save = os.path.join(work, f"{name.replace('@', '-')}-round{r}")
             wps, mb = train_run(data_bin, arch, args.preset, save, args.train_updates,
-                                args.max_tokens)
+                                args.max_tokens, user_dir, device)
             tps, gen_mb = generate_run(data_bin, os.path.join(save, "checkpoint_last.pt"),
-                                       args.gen_length, args.max_tokens, shards)
-            res = results[arch]
+                                       args.gen_length, args.max_tokens, user_dir, shards, device)
+            res = results[name]
             res["train_wps"].append(wps)
             res["train_mb"].append(mb)
             res["gen_tps"].append(tps)
             res["gen_mb"].append(gen_mb)
-            print(f"  round {r + 1} {arch:22s} train {wps:8.0f} wps {mb:6.0f} MB   "
+            print(f"  round {r + 1} {name:28s} train {wps:8.0f} wps {mb:6.0f} MB   "
                   f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB", flush=True)
-            if arch == "annotated_transformer" and not args.skip_ctranslate2:
+            if name == OURS and not args.skip_ctranslate2:
                 ct2, per_hyp, mb = ctranslate2_run(
                     data_bin, os.path.join(save, "checkpoint_last.pt"), args.gen_length,
                     args.max_tokens, save)
                 ct2_tps.append(ct2)
                 ct2_mb.append(mb)
-                print(f"  round {r + 1} {'(exported) CTranslate2':22s} beam-5 {ct2:7.1f} tok/s "
+                print(f"  round {r + 1} {'(exported) CTranslate2':28s} beam-5 {ct2:7.1f} tok/s "
                       f"{mb:6.0f} MB ({per_hyp:.0f} tokens per hypothesis, export included "
                       "in MB)", flush=True)
 
-    med = {a: {k: statistics.median(v) for k, v in res.items()} for a, res in results.items()}
-    ours, theirs = med["annotated_transformer"], med["transformer"]
-    # the ratio of each round's two runs, then their median: the machine's speed drifts between
-    # rounds more than between the two runs of a round
-    print(f"\n| medians of {args.rounds} rounds | annotated_transformer | transformer | "
+    # each contestant against fairseq's transformer: the ratio of each round's runs, then their
+    # median (the machine's speed drifts between rounds more than between the runs of a round)
+    theirs = results[THEIRS]
+    print(f"\n| medians of {args.rounds} rounds | model | model | transformer | "
           "median of the per-round ratios | per-round ratios |")
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for key, label in (("train_wps", "training, target words/s"),
                        ("gen_tps", "generation beam 5, tokens/s"),
                        ("train_mb", "training peak memory, MB"),
                        ("gen_mb", "generation peak memory, MB")):
-        ratios = [a / b for a, b in zip(results["annotated_transformer"][key],
-                                        results["transformer"][key])]
-        print(f"| {label} | {ours[key]:.0f} | {theirs[key]:.0f} | "
-              f"{statistics.median(ratios):.2f}x | {' '.join(f'{x:.2f}' for x in ratios)} |")
+        for name in results:
+            if name != THEIRS:
+                print(ratio_row(label, name, results[name][key], theirs[key]))
     if ct2_tps:
-        ct2 = statistics.median(ct2_tps)
-        ratios = [a / b for a, b in zip(ct2_tps, results["transformer"]["gen_tps"])]
-        print(f"| generation beam 5, tokens/s, annotated_transformer exported to CTranslate2 | "
-              f"{ct2:.0f} | {theirs['gen_tps']:.0f} | {statistics.median(ratios):.2f}x | "
-              f"{' '.join(f'{x:.2f}' for x in ratios)} |")
+        print(ratio_row("generation beam 5, tokens/s", "annotated_transformer exported to "
+                        "CTranslate2", ct2_tps, theirs["gen_tps"]))
 
     if not args.skip_cache:
         lengths = [int(x) for x in args.cache_lengths.split(",")]
         checkpoint = os.path.join(work, "annotated_transformer-round0", "checkpoint_last.pt")
-        rows = cache_speedups(checkpoint, data_bin, lengths)
+        rows = cache_speedups(checkpoint, data_bin, lengths, device=device)
         print("\n| annotated_transformer decoding 20 sentences | target tokens | cached, s | "
               "recomputing the prefix, s | speed-up |")
         print("|---|---|---|---|---|")

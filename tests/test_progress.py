@@ -1,9 +1,11 @@
 """Long steps show progress while they run, not when they end."""
 
+import io
+import re
 import sys
 import time
 
-from fairseq_plugin.cli.common import generation_progress, run, training_progress
+from fairseq_plugin.cli.common import Progress, generation_progress, run, training_progress
 
 LINE = ("2026-11-23 05:00:00 | INFO | train_inner | epoch 002:     40 / 160 loss=5.1, "
         "nll_loss=4.2, ppl=18.4, wps=4900, ups=2.50, wpb=1960, num_updates=200, lr=0.0005")
@@ -56,3 +58,25 @@ def test_the_runner_shows_generation_progress_while_translations_go_to_their_fil
     assert len(progress) == 1 and progress[0][0] < finished - 2.0
     assert (tmp_path / "generate.txt").read_text().splitlines() == ["H-0\tfirst", "H-1\tsecond"]
     assert (tmp_path / "generate.log").read_text().splitlines() == [GENERATE_LINE]
+
+
+def test_progress_in_a_log_shows_rate_and_time_left_while_it_runs_and_a_line_at_the_end():
+    out = io.StringIO()  # not a terminal
+    with Progress("tokenise train.de", total=10, every=0.0, file=out) as shown:
+        time.sleep(0.01)
+        shown.update(4)
+        assert re.fullmatch(r"tokenise train\.de: 4/10 lines, [\d,]+ lines/s, about \d+ s left\n",
+                            out.getvalue())
+        shown.update(6)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and re.fullmatch(r"tokenise train\.de: 10 lines in \d+\.\d s", lines[2])
+
+
+def test_progress_in_a_log_waits_its_interval_between_lines():
+    out = io.StringIO()
+    shown = Progress("learn BPE", total=500, unit="merges", every=60.0, file=out)
+    for _ in range(500):
+        shown.update()
+    assert out.getvalue() == ""
+    shown.close()
+    assert out.getvalue().startswith("learn BPE: 500 merges in ")

@@ -1,7 +1,9 @@
 """Real text: preparation (sacremoses + subword-nmt + fairseq-preprocess), training, detokenised
 sacreBLEU, checkpoint averaging — on a small slice of the bundled Tatoeba sample."""
 
+import contextlib
 import gzip
+import io
 import os
 import re
 
@@ -31,10 +33,24 @@ def write_slice(raw, n_train=3000, n_eval=60):
 def prepared(tmp_path_factory):
     w = tmp_path_factory.mktemp("tatoeba")
     write_slice(w / "raw")
-    settings = prepare_translation.prepare(str(w / "raw"), str(w / "bin"), "de", "en",
-                                           {"train": "train", "valid": "valid", "test": "test"},
-                                           bpe_merges=500)
+    shown = io.StringIO()  # not a terminal: progress comes as lines
+    with contextlib.redirect_stderr(shown):
+        settings = prepare_translation.prepare(str(w / "raw"), str(w / "bin"), "de", "en",
+                                               {"train": "train", "valid": "valid",
+                                                "test": "test"}, bpe_merges=500)
+    (w / "prepare.stderr").write_text(shown.getvalue())
     return w, settings
+
+
+def test_prepare_shows_each_step_of_its_work_in_a_log(prepared):
+    w, _ = prepared
+    lines = (w / "prepare.stderr").read_text().splitlines()
+    for step in [f"{verb} {split}.{lang}: {n:,} lines in " for verb in ("tokenise", "apply BPE")
+                 for split, n in (("train", 3000), ("valid", 60), ("test", 60))
+                 for lang in ("de", "en")] + ["learn joint BPE on train.de + train.en: 500 merges in "]:
+        assert any(line.startswith(step) for line in lines), step
+    binarised = [line for line in lines if line.startswith("fairseq-preprocess [")]
+    assert len(binarised) == 6 and "train.de: 3000 sents" in binarised[0]
 
 
 def test_prepare_writes_bpe_text_joined_dictionaries_and_references(prepared):

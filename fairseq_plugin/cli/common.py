@@ -51,6 +51,62 @@ def generation_progress(line: str, seconds: float) -> Optional[str]:
     return f"batch {done}/{total}, {wps} target tokens/s, about {left / 60:.1f} min left"
 
 
+class Progress:
+    """Progress of a long step in this process: an updating bar on a terminal (tqdm); in a log or
+    a pipe, a line every ``every`` seconds with the rate and the time left, and one at the end.
+    ``update(n)`` counts work done; use it as a context manager, or call ``close()``."""
+
+    def __init__(self, desc: str, total: Optional[int] = None, unit: str = "lines",
+                 every: float = 10.0, file=None):
+        self.file = file or sys.stderr
+        self.desc, self.total, self.unit, self.every = desc, total, unit, every
+        self.done = 0
+        self.started = self.shown = time.monotonic()
+        self.bar = None
+        if self.file.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=desc, total=total, unit=" " + unit, mininterval=1.0,
+                            file=self.file)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif time.monotonic() - self.shown >= self.every:
+            self.shown = time.monotonic()
+            seconds = self.shown - self.started
+            rate = self.done / seconds if seconds > 0 else float("inf")
+            line = f"{self.desc}: {self.done:,}"
+            if self.total:
+                line += f"/{self.total:,}"
+            line += f" {self.unit}, {rate:,.0f} {self.unit}/s"
+            if self.total and 0 < rate < float("inf"):
+                line += f", about {max(self.total - self.done, 0) / rate:.0f} s left"
+            print(line, file=self.file, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            print(f"{self.desc}: {self.done:,} {self.unit} in "
+                  f"{time.monotonic() - self.started:.1f} s", file=self.file, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def progress(items, desc: str, unit: str = "lines"):
+    """Iterate over a sized collection, showing Progress."""
+    with Progress(desc, len(items), unit) as shown:
+        for item in items:
+            yield item
+            shown.update()
+
+
 def run(cmd, log_path, echo_if=None, epochs=None, echo=print, output_path=None):
     """Run a command and log all its output as it comes; echo the lines containing ``echo_if``
     and a progress line per log interval of fairseq-train (``epochs``: for the estimate) or

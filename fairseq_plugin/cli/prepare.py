@@ -18,12 +18,13 @@ import argparse
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import urllib.request
 
-from .common import fairseq_cli
+from .common import Progress, fairseq_cli, progress
 
 # name -> languages, split prefixes, download (url template by file) or bundled directory
 CORPORA = {
@@ -131,8 +132,6 @@ IWSLT_META_TAGS = ("<url", "<talkid", "<keywords", "<speaker", "<reviewer", "<tr
 
 def _iwslt_train_lines(path):
     """train.tags.de-en.LANG: drop the talks' metadata lines, keep titles and descriptions."""
-    import re
-
     out = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -144,8 +143,6 @@ def _iwslt_train_lines(path):
 
 
 def _iwslt_xml_segments(path):
-    import re
-
     with open(path, encoding="utf-8") as f:
         return [m.group(1).strip() for m in re.finditer(r"<seg[^>]*>(.*?)</seg>", f.read())]
 
@@ -202,11 +199,16 @@ class MosesPipeline:
                                        return_str=True, escape=True)
 
 
-def progress(iterable, desc, total=None):
-    from tqdm import tqdm
+class CountingMerges:
+    """The file subword-nmt's learn_bpe writes its merges to, counting them for Progress."""
 
-    return tqdm(iterable, desc=desc, total=total, unit=" lines", mininterval=1.0,
-                disable=None, file=sys.stderr)
+    def __init__(self, out, shown: Progress):
+        self.out, self.shown = out, shown
+
+    def write(self, text: str) -> None:
+        self.out.write(text)
+        if not text.startswith("#"):  # "#version: 0.2" comes first
+            self.shown.update(text.count("\n"))
 
 
 def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, workers=2,
@@ -240,10 +242,11 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
                 [moses(line) for line in progress(lines, f"tokenise {split}.{lang}")])
 
     codes = os.path.join(dest, "bpe.codes")
-    print(f"learning {bpe_merges} joint BPE merges on train.{source_lang} + train.{target_lang}",
-          file=sys.stderr, flush=True)
-    with open(codes, "w", encoding="utf-8") as out:
-        learn_bpe(tokenised["train"][0] + tokenised["train"][1], out, bpe_merges)
+    with open(codes, "w", encoding="utf-8") as out, Progress(
+            f"learn joint BPE on train.{source_lang} + train.{target_lang}", bpe_merges,
+            "merges") as shown:
+        learn_bpe(tokenised["train"][0] + tokenised["train"][1], CountingMerges(out, shown),
+                  bpe_merges)
     with open(codes, encoding="utf-8") as f:
         bpe = BPE(f)
     for split, sides in tokenised.items():
@@ -258,10 +261,16 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
            "--testpref", os.path.join(text, "test"), "--destdir", dest, "--joined-dictionary",
            "--workers", str(workers)]
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    with open(os.path.join(dest, "preprocess.log"), "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
+    with open(os.path.join(dest, "preprocess.log"), "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        for line in proc.stdout:  # one summary line per binarised file: shown as they come
+            log.write(line)
+            log.flush()
+            summary = re.search(r"\[[^]]+\] \S+: \d+ sents, .*", line)
+            if summary:
+                print(f"fairseq-preprocess {summary[0]}", file=sys.stderr, flush=True)
+    if proc.wait() != 0:
         raise PrepareError(f"fairseq-preprocess failed; see {dest}/preprocess.log")
 
     settings = {"source_lang": source_lang, "target_lang": target_lang, "bpe": "subword_nmt",
