@@ -200,7 +200,8 @@ class MosesPipeline:
 
 
 class CountingMerges:
-    """The file subword-nmt's learn_bpe writes its merges to, counting them for Progress."""
+    """The file subword-nmt's learn_bpe writes its merges to, counting them for Progress (in a
+    log, where subword-nmt's own bar would be one line of carriage returns)."""
 
     def __init__(self, out, shown: Progress):
         self.out, self.shown = out, shown
@@ -242,11 +243,14 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
                 [moses(line) for line in progress(lines, f"tokenise {split}.{lang}")])
 
     codes = os.path.join(dest, "bpe.codes")
-    with open(codes, "w", encoding="utf-8") as out, Progress(
-            f"learn joint BPE on train.{source_lang} + train.{target_lang}", bpe_merges,
-            "merges") as shown:
-        learn_bpe(tokenised["train"][0] + tokenised["train"][1], CountingMerges(out, shown),
-                  bpe_merges)
+    train_text = tokenised["train"][0] + tokenised["train"][1]
+    with open(codes, "w", encoding="utf-8") as out:
+        if sys.stderr.isatty():  # subword-nmt draws its own bar
+            learn_bpe(train_text, out, bpe_merges)
+        else:
+            with Progress(f"learn joint BPE on train.{source_lang} + train.{target_lang}",
+                          bpe_merges, "merges") as shown:
+                learn_bpe(train_text, CountingMerges(out, shown), bpe_merges)
     with open(codes, encoding="utf-8") as f:
         bpe = BPE(f)
     for split, sides in tokenised.items():
