@@ -27,8 +27,8 @@ default; --preset base|iwslt|tiny for others.
 
 --device cuda runs fairseq on the GPU in --precision fp16 (default there) or bf16 or fp32, and
 reads peak memory from torch.cuda.max_memory_allocated (resident memory on the CPU); GPU steps
-are fast, so give it more --train-updates (e.g. 200) and a larger --max-tokens (e.g. 8192). Absolute numbers move +-10% between runs on shared
-machines: read the ratios.
+are fast, so give it more --train-updates (e.g. 200) and a larger --max-tokens (e.g. 8192).
+Absolute numbers move +-10% between runs on shared machines: read the ratios.
 """
 
 import argparse
@@ -307,9 +307,9 @@ def main(argv=None):
     if args.ctranslate2_worker:
         return ctranslate2_worker(*json.loads(args.ctranslate2_worker))
 
-    device = Device(args.device, args.precision or ("fp32" if args.device == "cpu" else "fp16"))
     import torch
 
+    device = Device(args.device, args.precision or ("fp32" if args.device == "cpu" else "fp16"))
     if device.kind == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
     if device.kind == "cuda" and not args.skip_ctranslate2:
@@ -326,8 +326,7 @@ def main(argv=None):
     shards = max(1, n_test // args.test_sentences)  # decode about --test-sentences sentences
     print(f"benchmark: preset {args.preset} {PRESETS[args.preset]} (layers, d_model, d_ff, "
           f"heads), {args.rounds} rounds, {device.kind} {device.precision}, data {data_bin}, "
-          f"torch threads "
-          f"{os.environ.get('OMP_NUM_THREADS', 'default')}\n"
+          f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}\n"
           f"training batches: {src_pad:.1%} source and {tgt_pad:.1%} target positions are "
           f"padding; decoding {n_test // shards} of {n_test} test sentences", flush=True)
     # contestants: (name, --arch, --user-dir); --before adds another checkout's plugin
