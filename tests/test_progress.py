@@ -1,11 +1,15 @@
 """Long steps show progress while they run, not when they end."""
 
 import io
+import os
 import re
+import shlex
+import subprocess
 import sys
 import time
 
 from fairseq_plugin.cli.common import Progress, generation_progress, run, training_progress
+from fairseq_plugin.cli.follow import follow
 
 LINE = ("2026-11-23 05:00:00 | INFO | train_inner | epoch 002:     40 / 160 loss=5.1, "
         "nll_loss=4.2, ppl=18.4, wps=4900, ups=2.50, wpb=1960, num_updates=200, lr=0.0005")
@@ -80,3 +84,28 @@ def test_progress_in_a_log_waits_its_interval_between_lines():
     assert out.getvalue() == ""
     shown.close()
     assert out.getvalue().startswith("learn BPE: 500 merges in ")
+
+
+def test_follow_adds_the_time_left_after_each_training_interval():
+    out = io.StringIO()
+    follow(["begin training epoch 2\n", LINE + "\n", "done\n"], out, epochs=5)
+    assert out.getvalue().splitlines() == [
+        "begin training epoch 2", LINE,
+        "  epoch 2: update 40/160, 2.50 updates/s, about 4.0 min left in all", "done"]
+
+
+def test_a_piped_training_log_shows_its_progress_while_the_child_runs():
+    # examples/multi30k/run.sh: PYTHONUNBUFFERED=1 fairseq-train ... | tee LOG | ...cli.follow;
+    # the child starts slowly, as fairseq-train does, while the filter imports the plugin
+    child = f"import time; time.sleep(8); print({LINE!r}); time.sleep(3); print('done')"
+    pipeline = (f"PYTHONUNBUFFERED=1 {shlex.quote(sys.executable)} -c {shlex.quote(child)} | "
+                f"{shlex.quote(sys.executable)} -m fairseq_plugin.cli.follow --epochs 5")
+    start = time.monotonic()
+    proc = subprocess.Popen(["bash", "-c", pipeline], stdout=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})
+    seen = [(time.monotonic() - start, line.rstrip("\n")) for line in proc.stdout]
+    finished = time.monotonic() - start
+    assert proc.wait() == 0
+    progress = [t for t, line in seen if "updates/s, about 4.0 min left in all" in line]
+    assert len(progress) == 1 and progress[0] < finished - 2.0
+    assert seen[-1][1] == "done"

@@ -13,7 +13,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-.venv/bin/python}
 BIN=$(dirname "$PYTHON")
-BIN=$(dirname "$PYTHON")
 ARCH=${ARCH:-annotated_transformer}
 EPOCHS=${EPOCHS:-20}
 LENPEN=${LENPEN:-1.6}
@@ -36,7 +35,9 @@ else
   SCHEDULE=(--lr-scheduler noam --warmup-updates 1000 --noam-factor 1)
 fi
 mkdir -p "$CKPT"
-$BIN/fairseq-train "$DATA" --user-dir fairseq_plugin --arch "$ARCH" \
+# unbuffered: through a pipe, fairseq-train's lines would otherwise come minutes late; the last
+# filter adds the time left after each interval line
+PYTHONUNBUFFERED=1 $BIN/fairseq-train "$DATA" --user-dir fairseq_plugin --arch "$ARCH" \
     --encoder-layers 3 --decoder-layers 3 --encoder-embed-dim 256 --decoder-embed-dim 256 \
     --encoder-ffn-embed-dim 512 --decoder-ffn-embed-dim 512 \
     --encoder-attention-heads 8 --decoder-attention-heads 8 \
@@ -45,7 +46,7 @@ $BIN/fairseq-train "$DATA" --user-dir fairseq_plugin --arch "$ARCH" \
     --optimizer adam --adam-betas '(0.9, 0.98)' --adam-eps 1e-9 --clip-norm 0.0 "${SCHEDULE[@]}" \
     --max-tokens 4096 --max-epoch "$EPOCHS" --seed 1 --cpu \
     --save-dir "$CKPT" --keep-last-epochs 5 --log-format simple --log-interval 100 \
-    2>&1 | tee "$CKPT/train.log"
+    2>&1 | tee "$CKPT/train.log" | "$PYTHON" -m fairseq_plugin.cli.follow --epochs "$EPOCHS"
 
 $BIN/annotated-average-checkpoints --inputs "$CKPT" --num-epoch-checkpoints 5 \
     --output "$CKPT/average_last5.pt" --force
