@@ -256,3 +256,21 @@ def test_heatmaps_of_the_reverse_model_show_its_anti_diagonal_source_attention(r
         hits += sum(int(weights[j, :n].argmax()) == n - 1 - j for j in range(n))
         total += n
     assert hits >= 0.8 * total
+
+
+def test_fairseq_clis_are_found_next_to_python_or_else_on_path(tmp_path, monkeypatch):
+    from fairseq_plugin.cli.common import fairseq_cli
+    from fairseq_plugin.errors import PluginError
+
+    assert fairseq_cli("fairseq-train") == os.path.join(os.path.dirname(sys.executable),
+                                                        "fairseq-train")
+    # pip install --target DIR (an offline GPU node): the scripts are in DIR/bin, on PATH
+    scripts = tmp_path / "bin"
+    scripts.mkdir()
+    (scripts / "fairseq-train").write_text("#!/bin/sh\n")
+    (scripts / "fairseq-train").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python" / "python3"))
+    monkeypatch.setenv("PATH", str(scripts))
+    assert fairseq_cli("fairseq-train") == str(scripts / "fairseq-train")
+    with pytest.raises(PluginError, match="fairseq-generate is neither next to .* nor on PATH"):
+        fairseq_cli("fairseq-generate")

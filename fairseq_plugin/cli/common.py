@@ -3,10 +3,13 @@
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 from typing import Optional
+
+from ..errors import PluginError
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,8 +20,14 @@ def plugin_dir() -> str:
 
 
 def fairseq_cli(name: str) -> str:
-    """fairseq's console script next to this Python (the venv's), e.g. fairseq-train."""
-    return os.path.join(os.path.dirname(sys.executable), name)
+    """fairseq's console script, e.g. fairseq-train: the one next to this Python (a venv's), else
+    the one on PATH (``pip install --target DIR`` puts them in DIR/bin, as on an offline GPU node)."""
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    found = beside if os.path.exists(beside) else shutil.which(name)
+    if found is None:
+        raise PluginError(f"{name} is neither next to {sys.executable} nor on PATH: install "
+                          "fairseq into this Python, or put the folder of its scripts on PATH")
+    return found
 
 
 _PROGRESS = re.compile(r"epoch (\d+):\s+(\d+) / (\d+) .*?\bups=([\d.]+)")
