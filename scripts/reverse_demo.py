@@ -11,7 +11,7 @@ import os
 import time
 
 from fairseq_plugin.cli import reverse_task
-from fairseq_plugin.cli.common import fairseq_cli, run
+from fairseq_plugin.cli.common import fairseq_cli, fairseq_validation, run
 
 
 def main(argv=None):
@@ -38,7 +38,7 @@ def main(argv=None):
 
     print(f"[3/4] fairseq-train, {args.epochs} epochs", flush=True)
     run(reverse_task.train_command(data_bin, ckpt, args.epochs), os.path.join(w, "train.log"),
-        echo_if="valid on 'valid' subset", epochs=args.epochs)
+        show=fairseq_validation, epochs=args.epochs)
 
     print("[4/4] fairseq-generate --beam 5", flush=True)
     gen_out = os.path.join(w, "generate.txt")

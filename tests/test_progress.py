@@ -8,7 +8,11 @@ import subprocess
 import sys
 import time
 
-from fairseq_plugin.cli.common import Progress, generation_progress, run, training_progress
+import pytest
+
+from fairseq_plugin.cli.common import (Progress, fairseq_validation, generation_progress, run,
+                                       training_progress)
+from fairseq_plugin.errors import PluginError
 from fairseq_plugin.cli.follow import follow
 
 LINE = ("2026-11-23 05:00:00 | INFO | train_inner | epoch 002:     40 / 160 loss=5.1, "
@@ -36,6 +40,26 @@ def test_the_runner_echoes_a_line_before_the_child_exits(tmp_path, monkeypatch):
     assert len(progress) == 1
     assert progress[0][0] < finished - 2.0  # shown about 3 s before the child exits
     assert (tmp_path / "train.log").read_text().splitlines() == [LINE, "done"]
+
+
+VALID_LINE = ("2026-11-23 05:00:00 | INFO | valid | epoch 002 | valid on 'valid' subset | "
+              "loss 4.1 | bleu 12.3")
+
+
+def test_the_runner_echoes_the_lines_its_show_function_picks_and_logs_every_line(tmp_path):
+    child = f"print('noise'); print({VALID_LINE!r})"
+    seen = []
+    run([sys.executable, "-c", child], tmp_path / "train.log", show=fairseq_validation,
+        echo=lambda text, flush=True: seen.append(text))
+    assert seen[1:] == ["  epoch 002 | valid on 'valid' subset | loss 4.1 | bleu 12.3"]
+    assert (tmp_path / "train.log").read_text().splitlines() == ["noise", VALID_LINE]
+
+
+def test_a_failed_command_is_one_plugin_error_naming_its_log_which_holds_its_output(tmp_path):
+    child = "import sys; print('what went wrong'); sys.exit(3)"
+    with pytest.raises(PluginError, match=r"^python\S* failed \(exit 3\); see .*train\.log$"):
+        run([sys.executable, "-c", child], tmp_path / "train.log", echo=lambda *a, **k: None)
+    assert (tmp_path / "train.log").read_text() == "what went wrong\n"
 
 
 GENERATE_LINE = "2026-11-23 05:00:00 | INFO | fairseq_cli.generate | :      3 / 12 wps=1500"

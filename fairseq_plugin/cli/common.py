@@ -116,11 +116,19 @@ def progress(items, desc: str, unit: str = "lines"):
             shown.update()
 
 
-def run(cmd, log_path, echo_if=None, epochs=None, echo=print, output_path=None):
-    """Run a command and log all its output as it comes; echo the lines containing ``echo_if``
-    and a progress line per log interval of fairseq-train (``epochs``: for the estimate) or
-    batch of fairseq-generate. ``output_path``: the child's stdout goes there instead (e.g.
-    fairseq-generate's translations), its stderr to the log."""
+def fairseq_validation(line: str) -> Optional[str]:
+    """fairseq-train's validation line without its time stamp and logger name, or None."""
+    if "valid on 'valid' subset" not in line:
+        return None
+    return line.split(" | ", 3)[-1].rstrip()
+
+
+def run(cmd, log_path, show=None, epochs=None, echo=print, output_path=None):
+    """Run a command and log all its output as it comes. Echoed as they come: a progress line per
+    log interval of fairseq-train (``epochs``: for the estimate) or batch of fairseq-generate,
+    and what ``show(line)`` returns for a line (None: nothing). ``output_path``: the child's
+    stdout goes there instead (e.g. fairseq-generate's translations), its stderr to the log.
+    A failed command raises PluginError naming the log."""
     cmd = [str(c) for c in cmd]
     echo("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     started = time.monotonic()
@@ -133,12 +141,11 @@ def run(cmd, log_path, echo_if=None, epochs=None, echo=print, output_path=None):
         for line in proc.stderr if output_path else proc.stdout:
             log.write(line)
             log.flush()
-            progress = (training_progress(line, epochs)
-                        or generation_progress(line, time.monotonic() - started))
-            if progress is not None:
-                echo("  " + progress, flush=True)
-            elif echo_if and echo_if in line:
-                echo("  " + line.split(" | ", 3)[-1].rstrip(), flush=True)
-        if proc.wait() != 0:
-            sys.exit(f"error: {os.path.basename(cmd[0])} failed (exit {proc.returncode}); "
-                     f"see {log_path}")
+            shown = (training_progress(line, epochs)
+                     or generation_progress(line, time.monotonic() - started)
+                     or (show(line) if show else None))
+            if shown is not None:
+                echo("  " + shown, flush=True)
+    if proc.wait() != 0:
+        raise PluginError(f"{os.path.basename(cmd[0])} failed (exit {proc.returncode}); "
+                          f"see {log_path}")

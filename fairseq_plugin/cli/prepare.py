@@ -15,16 +15,17 @@ sacreBLEU) and ``prepare.json`` (the settings, for evaluation and translation).
 """
 
 import argparse
+import functools
 import gzip
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import urllib.request
 
-from .common import Progress, fairseq_cli, progress
+from ..errors import PluginError
+from .common import Progress, fairseq_cli, progress, run
 
 # name -> languages, split prefixes, download (url template by file) or bundled directory
 CORPORA = {
@@ -55,7 +56,7 @@ CORPORA = {
 }
 
 
-class PrepareError(Exception):
+class PrepareError(PluginError):
     pass
 
 
@@ -212,6 +213,13 @@ class CountingMerges:
             self.shown.update(text.count("\n"))
 
 
+def preprocess_summary(line: str):
+    """fairseq-preprocess's summary of a binarised file ("[de] .../train.de: 3000 sents, ..."),
+    or None."""
+    summary = re.search(r"\[[^]]+\] \S+: \d+ sents, .*", line)
+    return f"fairseq-preprocess {summary[0]}" if summary else None
+
+
 def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, workers=2,
             force=False):
     from subword_nmt.apply_bpe import BPE
@@ -264,18 +272,8 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
            "--trainpref", os.path.join(text, "train"), "--validpref", os.path.join(text, "valid"),
            "--testpref", os.path.join(text, "test"), "--destdir", dest, "--joined-dictionary",
            "--workers", str(workers)]
-    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
-    with open(os.path.join(dest, "preprocess.log"), "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        for line in proc.stdout:  # one summary line per binarised file: shown as they come
-            log.write(line)
-            log.flush()
-            summary = re.search(r"\[[^]]+\] \S+: \d+ sents, .*", line)
-            if summary:
-                print(f"fairseq-preprocess {summary[0]}", file=sys.stderr, flush=True)
-    if proc.wait() != 0:
-        raise PrepareError(f"fairseq-preprocess failed; see {dest}/preprocess.log")
+    run(cmd, os.path.join(dest, "preprocess.log"), show=preprocess_summary,
+        echo=functools.partial(print, file=sys.stderr))
 
     settings = {"source_lang": source_lang, "target_lang": target_lang, "bpe": "subword_nmt",
                 "bpe_codes": "bpe.codes", "bpe_merges": bpe_merges, "tokenizer": "moses",
@@ -323,7 +321,7 @@ def main(argv=None):
             download(args.corpus, raw_dir)
         settings = prepare(raw_dir, args.dest, src, tgt, splits, args.bpe_merges, args.workers,
                            args.force)
-    except PrepareError as e:
+    except PluginError as e:
         sys.exit(f"annotated-prepare: error: {e}")
     print(f"prepared {args.dest}: " + ", ".join(f"{s} {n} pairs"
                                                  for s, n in settings["splits"].items()))
