@@ -35,16 +35,17 @@ def load_hub(data_bin, checkpoint):
         source_lang=settings["source_lang"], target_lang=settings["target_lang"])
 
 
-def attention_maps(hub, sentence, beam=5):
-    """Translate ``sentence``; return (translation, source labels, decoder input labels,
-    output labels, {kind: {(layer, head): weights (T_query, T_key) as a list of rows}})."""
+def attention_maps(hub, sentence, beam=5, **generation):
+    """Translate ``sentence`` (``generation``: more of fairseq's generation options, e.g.
+    max_len_b=20); return (translation, source labels, decoder input labels, output labels,
+    {kind: {(layer, head): weights (T_query, T_key) as a list of rows}})."""
     import torch
 
     from ..modules.attention import recording_attention
 
     model = hub.models[0]
     src = hub.encode(sentence)
-    hypo = hub.generate([src], beam=beam)[0][0]["tokens"]  # ends with eos
+    hypo = hub.generate([src], beam=beam, **generation)[0][0]["tokens"]  # ends with eos
     eos = hub.tgt_dict.eos()
     prev = torch.cat([torch.tensor([eos]), hypo[:-1]])  # teacher forcing on the translation
     with torch.no_grad(), recording_attention(model) as records:
@@ -82,9 +83,10 @@ def draw(weights, rows, cols, title, path):
     plt.close(fig)
 
 
-def write_heatmaps(hub, sentence, out_dir, layers=None, heads=None, beam=5):
-    """Draw the chosen maps; return {path: weights drawn}."""
-    translation, src_labels, fed_labels, out_labels, maps = attention_maps(hub, sentence, beam)
+def write_heatmaps(hub, sentence, out_dir, layers=None, heads=None, beam=5, **generation):
+    """Draw the chosen maps; return (translation, {path: weights drawn})."""
+    translation, src_labels, fed_labels, out_labels, maps = attention_maps(hub, sentence, beam,
+                                                                           **generation)
     os.makedirs(out_dir, exist_ok=True)
     axes = {"encoder_self": (src_labels, src_labels), "decoder_self": (out_labels, fed_labels),
             "decoder_source": (out_labels, src_labels)}
