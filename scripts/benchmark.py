@@ -25,6 +25,11 @@ The padding share of the training batches is printed: the model skips padding in
 feed-forward sub-layers, so it matters. Sizes: d_model 256, 4+4 layers, d_ff 1024, 4 heads by
 default; --preset base|iwslt|tiny for others.
 
+--steps-in-process N measures training alone, with less noise: both models' fairseq Trainers in
+this one process take the same N batches, alternated step by step (the machine's drift falls on
+both alike); --profile-steps K adds torch.profiler's operators of K steps of each, alternated
+too, with the time and FLOPs of their matrix products.
+
 --device cuda runs fairseq on the GPU in --precision fp16 (default there) or bf16 or fp32, and
 reads peak memory from torch.cuda.max_memory_allocated (resident memory on the CPU); GPU steps
 are fast, so give it more --train-updates (e.g. 200) and a larger --max-tokens (e.g. 8192).
@@ -160,20 +165,95 @@ def run_measured(cmd, device=CPU):
     return out, device.peak_mb(out, usage.ru_maxrss / 1024.0)
 
 
+def training_flags(data_bin, arch, preset, max_tokens, user_dir, device=CPU):
+    """fairseq-train's arguments for both architectures (the same but for --arch)."""
+    return [data_bin, "--user-dir", user_dir, "--arch", arch, *model_flags(preset),
+            "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+            "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4",
+            "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
+            "--max-tokens", max_tokens, "--seed", "1", *device.flags(), "--num-workers", "0"]
+
+
 def train_run(data_bin, arch, preset, save_dir, updates, max_tokens, user_dir, device=CPU):
     out, rss = run_measured([
-        fairseq_cli("fairseq-train"), data_bin, "--user-dir", user_dir, "--arch", arch,
-        *model_flags(preset), "--criterion", "label_smoothed_cross_entropy",
-        "--label-smoothing", "0.1", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
-        "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
-        "--max-tokens", max_tokens, "--max-update", updates, "--seed", "1", *device.flags(),
-        "--save-dir", save_dir, "--no-epoch-checkpoints", "--disable-validation",
-        "--log-format", "json", "--log-interval", "5", "--num-workers", "0"], device)
+        fairseq_cli("fairseq-train"),
+        *training_flags(data_bin, arch, preset, max_tokens, user_dir, device),
+        "--max-update", updates, "--save-dir", save_dir, "--no-epoch-checkpoints",
+        "--disable-validation", "--log-format", "json", "--log-interval", "5"], device)
     wps = [float(json.loads(line[line.index("{"):])["wps"])
            for line in out.splitlines() if "train_inner" in line and "{" in line]
     if len(wps) < 2:
         raise SystemExit("benchmark: error: too few logged intervals; raise --train-updates")
     return statistics.median(wps[1:]), rss
+
+
+def fairseq_trainer(flags):
+    """fairseq's Trainer (model, criterion, optimizer) built in this process from fairseq-train's
+    command-line flags, and its task."""
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [str(f) for f in flags])
+    cfg = convert_namespace_to_omegaconf(args)
+    utils.import_user_module(cfg.common)
+    task = tasks.setup_task(cfg.task)
+    task.load_dataset("train")
+    return Trainer(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
+
+
+def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, device=CPU):
+    """Training steps of both models in one process on the same batches, alternated step by step
+    (A B, B A, ...), so that the machine's drift falls on both alike. Returns {arch: [seconds of
+    each step]}; with ``profile_steps``, then profiles that many steps of each (print_profiles)."""
+    import torch
+
+    trainers = {arch: fairseq_trainer(training_flags(data_bin, arch, preset, max_tokens,
+                                                     plugin_dir(), device))
+                for arch in (OURS, THEIRS)}
+    batches = trainers[OURS].get_train_iterator(epoch=1).next_epoch_itr(shuffle=True)
+    samples = [next(batches) for _ in range(3 + steps)]
+    for sample in samples[:3]:  # warm-up
+        for trainer in trainers.values():
+            trainer.train_step([sample])
+    seconds = {arch: [] for arch in trainers}
+    for i, sample in enumerate(samples[3:]):
+        for arch in (OURS, THEIRS) if i % 2 == 0 else (THEIRS, OURS):
+            start = time.perf_counter()
+            trainers[arch].train_step([sample])
+            if device.kind == "cuda":
+                torch.cuda.synchronize()
+            seconds[arch].append(time.perf_counter() - start)
+    if profile_steps:
+        print_profiles(trainers, samples[3:3 + profile_steps], device)
+    return seconds
+
+
+def print_profiles(trainers, samples, device=CPU, rows=25):
+    """torch.profiler on training steps of each trainer, alternated step by step as above: the
+    operators with the most time (self CPU time, summed over the steps) and the time and FLOPs
+    of the matrix products (aten::mm, aten::addmm)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.kind == "cuda" else [])
+    totals = {arch: {} for arch in trainers}  # operator -> [self CPU seconds, calls, FLOPs]
+    for i, sample in enumerate(samples):
+        for arch in list(trainers) if i % 2 == 0 else list(trainers)[::-1]:
+            with profile(activities=activities, with_flops=True) as prof:
+                trainers[arch].train_step([sample])
+            for e in prof.key_averages():
+                kept = totals[arch].setdefault(e.key, [0.0, 0, 0])
+                kept[0] += e.self_cpu_time_total / 1e6
+                kept[1] += e.count
+                kept[2] += e.flops
+    for arch, ops in totals.items():
+        gemm = [ops.get(key, [0.0, 0, 0]) for key in ("aten::mm", "aten::addmm")]
+        print(f"\n{arch}, {len(samples)} steps profiled: "
+              f"{sum(t for t, _, _ in ops.values()):.1f} s of CPU time, matrix products "
+              f"{sum(t for t, _, _ in gemm):.1f} s, "
+              f"{sum(f for _, _, f in gemm) / 1e9:,.0f} GFLOP")
+        for key, (seconds, calls, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:rows]:
+            print(f"  {seconds:8.3f} s {calls:7d} calls  {key}")
 
 
 def generate_run(data_bin, checkpoint, length, max_tokens, user_dir, shards=1, device=CPU):
@@ -302,6 +382,12 @@ def main(argv=None):
                    help="also run the annotated_transformer of another checkout, e.g. "
                         "../old/fairseq_plugin (git worktree add ../old COMMIT), in the same "
                         "rounds: before/after figures from one run")
+    p.add_argument("--steps-in-process", type=int, metavar="N",
+                   help="training only, precise: both models in this process on the same N "
+                        "batches, alternated step by step; prints the step times and ratios")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="K",
+                   help="with --steps-in-process: also torch.profiler's operators for K steps "
+                        "of each, alternated, and the time and FLOPs of their matrix products")
     p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.ctranslate2_worker:
@@ -329,6 +415,17 @@ def main(argv=None):
           f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}\n"
           f"training batches: {src_pad:.1%} source and {tgt_pad:.1%} target positions are "
           f"padding; decoding {n_test // shards} of {n_test} test sentences", flush=True)
+    if args.steps_in_process:
+        seconds = steps_in_process(data_bin, args.preset, args.max_tokens, args.steps_in_process,
+                                   args.profile_steps, device)
+        ours, theirs = seconds[OURS], seconds[THEIRS]
+        print(f"\n{len(ours)} training steps each, alternated: {OURS} median "
+              f"{1000 * statistics.median(ours):.0f} ms, {THEIRS} median "
+              f"{1000 * statistics.median(theirs):.0f} ms; {THEIRS} / {OURS}: "
+              f"{sum(theirs) / sum(ours):.3f}x in all ({sum(theirs):.1f} s / {sum(ours):.1f} s), "
+              f"median of the per-step ratios "
+              f"{statistics.median(b / a for a, b in zip(ours, theirs)):.3f}x")
+        return
     # contestants: (name, --arch, --user-dir); --before adds another checkout's plugin
     contestants = [(OURS, OURS, plugin_dir()), (THEIRS, THEIRS, plugin_dir())]
     if args.before:
