@@ -422,7 +422,7 @@ def main(argv=None):
         print(f"\n{len(ours)} training steps each, alternated: {OURS} median "
               f"{1000 * statistics.median(ours):.0f} ms, {THEIRS} median "
               f"{1000 * statistics.median(theirs):.0f} ms; {THEIRS} / {OURS}: "
-              f"{sum(theirs) / sum(ours):.3f}x in all ({sum(theirs):.1f} s / {sum(ours):.1f} s), "
+              f"{sum(theirs) / sum(ours):.3f}x in all ({sum(theirs):.2f} s / {sum(ours):.2f} s), "
               f"median of the per-step ratios "
               f"{statistics.median(b / a for a, b in zip(ours, theirs)):.3f}x")
         return

@@ -1,0 +1,52 @@
+"""scripts/benchmark.py runs end to end on a tiny job, and its ratios are its own figures'."""
+
+import os
+import re
+import subprocess
+import sys
+
+from conftest import REPO
+
+BENCHMARK = os.path.join(REPO, "scripts", "benchmark.py")
+TINY = ["--data", "synthetic", "--train-sentences", "400", "--test-sentences", "16",
+        "--preset", "tiny", "--max-tokens", "1024"]
+
+
+def benchmark(*args, work):
+    proc = subprocess.run([sys.executable, BENCHMARK, *TINY, "--work-dir", str(work), *args],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cache_table(tmp_path):
+    out = benchmark("--rounds", "1", "--train-updates", "10", "--gen-length", "8",
+                    "--cache-lengths", "4", "--skip-ctranslate2", work=tmp_path)
+    assert re.search(r"training batches: [\d.]+% source and [\d.]+% target positions are padding",
+                     out)
+    rows = {}
+    for line in out.splitlines():  # | label | model | ours | theirs | ratio | per-round ratios |
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[1] == "annotated_transformer":
+            rows[cells[0]] = (float(cells[2]), float(cells[3]), float(cells[4].rstrip("x")))
+    assert sorted(rows) == sorted(["training, target words/s", "generation beam 5, tokens/s",
+                                   "training peak memory, MB", "generation peak memory, MB"])
+    for ours, theirs, ratio in rows.values():
+        assert ours > 0 and theirs > 0
+        assert abs(ratio - ours / theirs) <= 0.005 + 0.5 / theirs * ratio  # medians are rounded
+    cache = [line for line in out.splitlines() if re.match(r"\| (greedy|beam 5) \| 4 \|", line)]
+    assert len(cache) == 2 and all(line.rstrip().endswith("x |") for line in cache)
+
+
+def test_steps_in_process_time_both_models_and_profile_their_matrix_products(tmp_path):
+    out = benchmark("--steps-in-process", "2", "--profile-steps", "1", work=tmp_path)
+    m = re.search(r"2 training steps each, alternated: .* transformer / annotated_transformer: "
+                  r"([\d.]+)x in all \(([\d.]+) s / ([\d.]+) s\)", out)
+    assert m, out[-2000:]
+    ratio, theirs, ours = float(m[1]), float(m[2]), float(m[3])  # sums printed to 0.01 s
+    low, high = (theirs - 0.005) / (ours + 0.005), (theirs + 0.005) / (ours - 0.005)
+    assert low - 0.0005 <= ratio <= high + 0.0005
+    for arch in ("annotated_transformer", "transformer"):
+        profiled = re.search(rf"\n{arch}, 1 steps profiled: [\d.]+ s of CPU time, matrix "
+                             r"products [\d.]+ s, ([\d,]+) GFLOP", out)
+        assert profiled and int(profiled[1].replace(",", "")) > 0, arch
