@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import fairseq
 import fairseq_plugin
 from fairseq.data import Dictionary
 from fairseq_plugin.cli import reverse_task
@@ -16,6 +17,11 @@ from fairseq.models import MODEL_REGISTRY
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGIN_DIR = os.path.dirname(os.path.abspath(fairseq_plugin.__file__))
 BIN = os.path.dirname(sys.executable)
+
+# The official fairseq 0.12.2 (not fairseq-fixed) runs post-LN encoder layers in evaluation through
+# PyTorch's fused layer, which fails on padded batches ("Mask Type should be defined", fairseq
+# #4858): there it cannot decode with a post-LN transformer, its own default included.
+FAIRSEQ_BREAKS_POST_LN = fairseq.__version__ == "0.12.2"
 
 
 def make_dictionary(n_symbols: int = 30) -> Dictionary:

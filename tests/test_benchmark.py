@@ -5,7 +5,9 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO
+import pytest
+
+from conftest import FAIRSEQ_BREAKS_POST_LN, REPO
 
 BENCHMARK = os.path.join(REPO, "scripts", "benchmark.py")
 TINY = ["--data", "synthetic", "--train-sentences", "400", "--test-sentences", "16",
@@ -19,6 +21,9 @@ def benchmark(*args, work):
     return proc.stdout
 
 
+@pytest.mark.skipif(FAIRSEQ_BREAKS_POST_LN, reason="fairseq 0.12.2's own transformer (post-LN) "
+                    "cannot decode padded batches (fairseq #4858): the benchmark's generation "
+                    "needs fairseq-fixed")
 def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cache_table(tmp_path):
     out = benchmark("--rounds", "1", "--train-updates", "10", "--gen-length", "8",
                     "--cache-lengths", "4", "--skip-ctranslate2", work=tmp_path)

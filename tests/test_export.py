@@ -6,14 +6,13 @@ import sys
 from argparse import Namespace
 from types import SimpleNamespace
 
-import fairseq
 import pytest
 import torch
 from fairseq import models
 from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_plugin.cli import reverse_task
-from conftest import REPO, build_tiny_model, cli, make_dictionary
+from conftest import FAIRSEQ_BREAKS_POST_LN, REPO, build_tiny_model, cli, make_dictionary
 from fairseq_plugin.errors import PluginError
 from fairseq_plugin.export import (
     load_into_transformer,
@@ -23,10 +22,7 @@ from fairseq_plugin.export import (
     transformer_state_dict,
 )
 
-# The official fairseq 0.12.2 (not fairseq-fixed) runs a post-LN encoder layer loaded from a state
-# dict through PyTorch's fused layer, which fails on padded batches (fairseq #4858): it cannot run
-# a post-LN transformer, and the export refuses one there.
-FAIRSEQ_BREAKS_POST_LN = fairseq.__version__ == "0.12.2"
+# fairseq 0.12.2 cannot run a post-LN transformer (conftest): the export refuses one there
 POST_LN = "post-LN, learned positions, separate dictionaries"
 
 CONFIGS = {
