@@ -152,6 +152,11 @@ class Device:
 CPU = Device()
 
 
+def alternated(contestants, i):
+    """The order of round (or step) i: as given, reversed, as given, ... (A B C, C B A, ...)."""
+    return contestants if i % 2 == 0 else contestants[::-1]
+
+
 def run_measured(cmd, device=CPU):
     """Run a command; return (stdout + stderr, peak memory in MB)."""
     cmd = device.command([str(c) for c in cmd])
@@ -218,7 +223,7 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
             trainer.train_step([sample])
     seconds = {arch: [] for arch in trainers}
     for i, sample in enumerate(samples[3:]):
-        for arch in (OURS, THEIRS) if i % 2 == 0 else (THEIRS, OURS):
+        for arch in alternated([OURS, THEIRS], i):
             start = time.perf_counter()
             trainers[arch].train_step([sample])
             if device.kind == "cuda":
@@ -238,7 +243,7 @@ def print_profiles(trainers, samples, device=CPU, rows=25):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.kind == "cuda" else [])
     totals = {arch: {} for arch in trainers}  # operator -> [self CPU seconds, calls, FLOPs]
     for i, sample in enumerate(samples):
-        for arch in list(trainers) if i % 2 == 0 else list(trainers)[::-1]:
+        for arch in alternated(list(trainers), i):
             with profile(activities=activities, with_flops=True) as prof:
                 trainers[arch].train_step([sample])
             for e in prof.key_averages():
@@ -434,8 +439,7 @@ def main(argv=None):
                for name, _, _ in contestants}
     ct2_tps, ct2_mb = [], []
     for r in range(args.rounds):
-        # order alternated between rounds: A B C, C B A, A B C, ...
-        for name, arch, user_dir in (contestants if r % 2 == 0 else contestants[::-1]):
+        for name, arch, user_dir in alternated(contestants, r):
             save = os.path.join(work, f"{name.replace('@', '-')}-round{r}")
             wps, mb = train_run(data_bin, arch, args.preset, save, args.train_updates,
                                 args.max_tokens, user_dir, device)
