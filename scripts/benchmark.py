@@ -23,7 +23,7 @@ generated corpus with a Zipf-like vocabulary (~6k types) whose source and target
 are drawn independently, so its batches carry more target padding; or a prepared --data-bin.
 The padding share of the training batches is printed: the model skips padding in its
 feed-forward sub-layers, so it matters. Sizes: d_model 256, 4+4 layers, d_ff 1024, 4 heads by
-default; --preset base|iwslt|tiny for others.
+default; --preset base|iwslt|multi30k|tiny for others.
 
 --steps-in-process N measures training alone, with less noise: both models' fairseq Trainers in
 this one process take the same N batches, alternated step by step (the machine's drift falls on
@@ -53,8 +53,10 @@ PRESETS = {  # layers, d_model, d_ff, heads
     "tiny": (2, 64, 256, 4),
     "iwslt": (6, 512, 1024, 4),
     "base": (6, 512, 2048, 8),
+    "multi30k": (3, 256, 512, 8),  # examples/multi30k's model
 }
 OURS, THEIRS, BEFORE = "annotated_transformer", "transformer", "annotated_transformer@before"
+NO_PACKING = "annotated_transformer without packing"  # computing padding, as fairseq's does
 
 
 def zipf_corpus(path, n_sentences, vocab, rng, min_len=8, max_len=40, exponent=1.1):
@@ -207,58 +209,86 @@ def fairseq_trainer(flags):
     return Trainer(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
 
 
-def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, device=CPU):
+def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, device=CPU,
+                     without_packing=False):
     """Training steps of both models in one process on the same batches, alternated step by step
-    (A B, B A, ...), so that the machine's drift falls on both alike. Returns {arch: [seconds of
-    each step]}; with ``profile_steps``, then profiles that many steps of each (print_profiles)."""
+    (A B, B A, ...), so that the machine's drift falls on both alike. Returns {name: [seconds of
+    each step]}; with ``profile_steps``, then profiles that many steps of each (print_profiles).
+    ``without_packing`` adds annotated_transformer computing padding too (NO_PACKING)."""
     import torch
 
-    trainers = {arch: fairseq_trainer(training_flags(data_bin, arch, preset, max_tokens,
-                                                     plugin_dir(), device))
-                for arch in (OURS, THEIRS)}
+    flags = {arch: training_flags(data_bin, arch, preset, max_tokens, plugin_dir(), device)
+             for arch in (OURS, THEIRS)}
+    trainers = {arch: fairseq_trainer(flags[arch]) for arch in (OURS, THEIRS)}
+    if without_packing:
+        trainers[NO_PACKING] = fairseq_trainer(flags[OURS])
+        model = trainers[NO_PACKING].model
+        model.encoder.skip_padding = model.decoder.skip_padding = False
     batches = trainers[OURS].get_train_iterator(epoch=1).next_epoch_itr(shuffle=True)
     samples = [next(batches) for _ in range(3 + steps)]
     for sample in samples[:3]:  # warm-up
         for trainer in trainers.values():
             trainer.train_step([sample])
-    seconds = {arch: [] for arch in trainers}
+    seconds = {name: [] for name in trainers}
     for i, sample in enumerate(samples[3:]):
-        for arch in alternated([OURS, THEIRS], i):
+        for name in alternated(list(trainers), i):
             start = time.perf_counter()
-            trainers[arch].train_step([sample])
+            trainers[name].train_step([sample])
             if device.kind == "cuda":
                 torch.cuda.synchronize()
-            seconds[arch].append(time.perf_counter() - start)
+            seconds[name].append(time.perf_counter() - start)
     if profile_steps:
         print_profiles(trainers, samples[3:3 + profile_steps], device)
     return seconds
 
 
+def step_ratio_line(name, ours, theirs):
+    """fairseq's time over ``name``'s for the same steps: in all, and the median per step."""
+    return (f"{THEIRS} / {name}: {sum(theirs) / sum(ours):.3f}x in all ({sum(theirs):.2f} s / "
+            f"{sum(ours):.2f} s), median of the per-step ratios "
+            f"{statistics.median(b / a for a, b in zip(ours, theirs)):.3f}x")
+
+
 def print_profiles(trainers, samples, device=CPU, rows=25):
     """torch.profiler on training steps of each trainer, alternated step by step as above: the
-    operators with the most time (self CPU time, summed over the steps) and the time and FLOPs
-    of the matrix products (aten::mm, aten::addmm)."""
+    operators with the most time (self time, summed over the steps: the CPU's, or on a GPU the
+    GPU's) and the time and FLOPs of the matrix products (aten::mm, aten::addmm)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.kind == "cuda" else [])
-    totals = {arch: {} for arch in trainers}  # operator -> [self CPU seconds, calls, FLOPs]
+    on_gpu = device.kind == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    # operator -> [self seconds (GPU on a GPU, else CPU), calls, FLOPs, self CPU seconds]
+    totals = {name: {} for name in trainers}
     for i, sample in enumerate(samples):
-        for arch in alternated(list(trainers), i):
+        for name in alternated(list(trainers), i):
             with profile(activities=activities, with_flops=True) as prof:
-                trainers[arch].train_step([sample])
+                trainers[name].train_step([sample])
             for e in prof.key_averages():
-                kept = totals[arch].setdefault(e.key, [0.0, 0, 0])
-                kept[0] += e.self_cpu_time_total / 1e6
+                if on_gpu and e.device_type != DeviceType.CPU:
+                    continue  # a kernel: its GPU time is already the launching operator's
+                kept = totals[name].setdefault(e.key, [0.0, 0, 0, 0.0])
+                kept[0] += (self_gpu_time(e) if on_gpu else e.self_cpu_time_total) / 1e6
                 kept[1] += e.count
                 kept[2] += e.flops
-    for arch, ops in totals.items():
-        gemm = [ops.get(key, [0.0, 0, 0]) for key in ("aten::mm", "aten::addmm")]
-        print(f"\n{arch}, {len(samples)} steps profiled: "
-              f"{sum(t for t, _, _ in ops.values()):.1f} s of CPU time, matrix products "
-              f"{sum(t for t, _, _ in gemm):.1f} s, "
-              f"{sum(f for _, _, f in gemm) / 1e9:,.0f} GFLOP")
-        for key, (seconds, calls, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:rows]:
+                kept[3] += e.self_cpu_time_total / 1e6
+    where = "GPU" if on_gpu else "CPU"
+    for name, ops in totals.items():
+        gemm = [ops.get(key, [0.0, 0, 0, 0.0]) for key in ("aten::mm", "aten::addmm")]
+        print(f"\n{name}, {len(samples)} steps profiled: "
+              f"{sum(t[0] for t in ops.values()):.1f} s of {where} time"
+              + (f" ({sum(t[3] for t in ops.values()):.1f} s of CPU time)" if on_gpu else "")
+              + f", matrix products {sum(t[0] for t in gemm):.1f} s, "
+              f"{sum(t[2] for t in gemm) / 1e9:,.1f} GFLOP")
+        for key, (seconds, calls, _, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:rows]:
             print(f"  {seconds:8.3f} s {calls:7d} calls  {key}")
+
+
+def self_gpu_time(event) -> float:
+    """A profiler event's own time on the GPU, in microseconds (renamed in torch 2.4)."""
+    if hasattr(event, "self_device_time_total"):
+        return event.self_device_time_total
+    return event.self_cuda_time_total
 
 
 def generate_run(data_bin, checkpoint, length, max_tokens, user_dir, shards=1, device=CPU):
@@ -312,11 +342,14 @@ def ctranslate2_worker(data_bin, checkpoint, length, max_tokens, work):
 
 
 def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=3, device=CPU):
-    """annotated_transformer: seconds per decoding with and without the cache."""
+    """annotated_transformer: seconds per decoding with the cache, with the cache and the other
+    attention kernel than the device's choice (choose_kernel: written out on the CPU, fused
+    elsewhere), and without the cache."""
     import torch
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
 
+    from fairseq_plugin.modules.attention import EXPLICIT, FUSED, MultiHeadedAttention
     from fairseq_plugin.testing.recomputing import without_cache
 
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
@@ -331,11 +364,16 @@ def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=3, dev
     src[:, -1] = d.eos()
     sample = {"net_input": {"src_tokens": src.to(device.kind),
                             "src_lengths": torch.full((n_sentences,), 24, device=device.kind)}}
+    attention = [m for m in model.modules() if isinstance(m, MultiHeadedAttention)]
+    other_kernel = FUSED if device.kind == "cpu" else EXPLICIT
     rows = []
     for beam in (1, 5):
         for length in lengths:
             times = {}
-            for name, m in (("cached", model), ("recomputed", recomputing)):
+            for name, m, kernel in (("cached", model, None), ("other kernel", model, other_kernel),
+                                    ("recomputed", recomputing, None)):
+                for module in attention:
+                    module.kernel = kernel
                 gen = SequenceGenerator([m], task.target_dictionary, beam_size=beam,
                                         min_len=length, max_len_a=0, max_len_b=length)
                 runs = []  # best of `repeats`, fewer when one run takes over 20 s
@@ -347,8 +385,8 @@ def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=3, dev
                         torch.cuda.synchronize()
                     runs.append(time.perf_counter() - start)
                 times[name] = min(runs)
-            rows.append((beam, length, times["cached"], times["recomputed"]))
-    return rows
+            rows.append((beam, length, times["cached"], times["other kernel"], times["recomputed"]))
+    return other_kernel, rows
 
 
 def ratio_row(label, name, ours, theirs):
@@ -393,6 +431,9 @@ def main(argv=None):
     p.add_argument("--profile-steps", type=int, default=0, metavar="K",
                    help="with --steps-in-process: also torch.profiler's operators for K steps "
                         "of each, alternated, and the time and FLOPs of their matrix products")
+    p.add_argument("--without-packing", action="store_true",
+                   help="with --steps-in-process: also time annotated_transformer computing the "
+                        "padding (packing off), alternated with the others")
     p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.ctranslate2_worker:
@@ -422,14 +463,15 @@ def main(argv=None):
           f"padding; decoding {n_test // shards} of {n_test} test sentences", flush=True)
     if args.steps_in_process:
         seconds = steps_in_process(data_bin, args.preset, args.max_tokens, args.steps_in_process,
-                                   args.profile_steps, device)
+                                   args.profile_steps, device, args.without_packing)
         ours, theirs = seconds[OURS], seconds[THEIRS]
         print(f"\n{len(ours)} training steps each, alternated: {OURS} median "
               f"{1000 * statistics.median(ours):.0f} ms, {THEIRS} median "
-              f"{1000 * statistics.median(theirs):.0f} ms; {THEIRS} / {OURS}: "
-              f"{sum(theirs) / sum(ours):.3f}x in all ({sum(theirs):.2f} s / {sum(ours):.2f} s), "
-              f"median of the per-step ratios "
-              f"{statistics.median(b / a for a, b in zip(ours, theirs)):.3f}x")
+              f"{1000 * statistics.median(theirs):.0f} ms; {step_ratio_line(OURS, ours, theirs)}")
+        if args.without_packing:
+            unpacked = seconds[NO_PACKING]
+            print(f"{NO_PACKING}: median {1000 * statistics.median(unpacked):.0f} ms; "
+                  f"{step_ratio_line(NO_PACKING, unpacked, theirs)}")
         return
     # contestants: (name, --arch, --user-dir); --before adds another checkout's plugin
     contestants = [(OURS, OURS, plugin_dir()), (THEIRS, THEIRS, plugin_dir())]
@@ -482,13 +524,13 @@ def main(argv=None):
     if not args.skip_cache:
         lengths = [int(x) for x in args.cache_lengths.split(",")]
         checkpoint = os.path.join(work, "annotated_transformer-round0", "checkpoint_last.pt")
-        rows = cache_speedups(checkpoint, data_bin, lengths, device=device)
-        print("\n| annotated_transformer decoding 20 sentences | target tokens | cached, s | "
-              "recomputing the prefix, s | speed-up |")
-        print("|---|---|---|---|---|")
-        for beam, length, cached, recomputed in rows:
+        other_kernel, rows = cache_speedups(checkpoint, data_bin, lengths, device=device)
+        print(f"\n| annotated_transformer decoding 20 sentences | target tokens | cached, s | "
+              f"cached, {other_kernel} attention, s | recomputing the prefix, s | speed-up |")
+        print("|---|---|---|---|---|---|")
+        for beam, length, cached, other, recomputed in rows:
             name = "greedy" if beam == 1 else f"beam {beam}"
-            print(f"| {name} | {length} | {cached:.3f} | {recomputed:.3f} | "
+            print(f"| {name} | {length} | {cached:.3f} | {other:.3f} | {recomputed:.3f} | "
                   f"{recomputed / cached:.1f}x |")
 
 

@@ -2,16 +2,18 @@
 """Build a wheelhouse on a connected machine, to install this package on a GPU node offline.
 
 The node is assumed to have Python and torch already (as GPU images do). The wheelhouse holds
-this package's wheel and every other dependency that such an image usually lacks, built for the
+this package's wheel and the dependencies that such an image usually lacks, built for the
 node's Python and platform (which may differ from this machine's):
 
   scripts/make_wheelhouse.py wheelhouse --python-version 3.12
   # copy wheelhouse/ to the node, then there:
-  python3 -m pip install --no-index --no-deps wheelhouse/*.whl
+  python3 -m pip install --no-index --find-links wheelhouse fairseq-annotated-transformer
 
-``--no-deps`` keeps pip from looking for what the node already has (torch, numpy, ...); the
-wheelhouse lists everything else. Packages that are only published as source (antlr4's runtime)
-are built into pure-Python wheels here.
+pip checks every requirement against the node's own packages (torch, numpy, ...) and the
+wheelhouse, and names any that neither has (fairseq also needs scikit-learn, Cython and
+torchaudio, which GPU images often carry): add those with --with (and what they need), e.g.
+--with scikit-learn cython. Packages only published as source (antlr4's runtime) are built
+into pure-Python wheels here.
 """
 
 import argparse
@@ -42,17 +44,22 @@ def main(argv=None):
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("dest")
     p.add_argument("--python-version", default="3.12", help="the node's Python, e.g. 3.12")
+    p.add_argument("--with", dest="extra", nargs="+", default=[], metavar="REQUIREMENT",
+                   help="more packages the node lacks, with what they need (e.g. scikit-learn)")
     args = p.parse_args(argv)
     os.makedirs(args.dest, exist_ok=True)
     platform = [f for name in PLATFORMS for f in ("--platform", name)]
     pip("download", "--no-deps", "--only-binary=:all:", "--python-version", args.python_version,
         "--implementation", "cp", *platform, "-d", args.dest, *BINARY)
+    if args.extra:
+        pip("download", "--only-binary=:all:", "--python-version", args.python_version,
+            "--implementation", "cp", *platform, "-d", args.dest, *args.extra)
     pip("wheel", "--no-deps", "-w", args.dest, *SOURCE_ONLY)
     pip("wheel", "--no-deps", "-w", args.dest, REPO)
     wheels = sorted(glob.glob(os.path.join(args.dest, "*.whl")))
     size = sum(os.path.getsize(w) for w in wheels) / 2 ** 20
     print(f"{len(wheels)} wheels, {size:.0f} MB in {args.dest}; on the node: "
-          f"python3 -m pip install --no-index --no-deps {args.dest}/*.whl")
+          f"python3 -m pip install --no-index --find-links {args.dest} fairseq-annotated-transformer")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from conftest import (REVERSE_SEED, build_tiny_model, cli, make_dictionary, rand
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.modules.attention import EXPLICIT, FUSED, MultiHeadedAttention
 from fairseq_plugin.testing.recomputing import without_cache
+from test_distributed import check_two_ranks_equal_one_rank_with_update_freq_2, ddp_data_bin
 
 # ANNOTATED_TEST_DEVICE=cpu runs the same tests on the CPU (to check the tests themselves)
 DEVICE = os.environ.get("ANNOTATED_TEST_DEVICE", "cuda")
@@ -109,3 +110,20 @@ def test_reverse_task_in_mixed_precision_reaches_the_cpu_bar_and_translates_alik
         outputs[device] = reverse_task.read_generate_output(str(path))
     assert reverse_task.exact_match(outputs["cuda"]) >= 0.95
     assert outputs["cuda"] == outputs["cpu"]
+
+
+@pytest.fixture(scope="module")
+def ddp_bin(tmp_path_factory):
+    return ddp_data_bin(tmp_path_factory)
+
+
+# fairseq wraps the model for data parallelism only when the world is larger than one rank, so
+# its wrappers run here with two ranks on the one GPU (gloo: NCCL wants a GPU per rank)
+@pytest.mark.parametrize("ddp_backend", ["legacy_ddp", "c10d"])
+def test_two_ranks_on_one_gpu_equal_one_rank_with_update_freq_2(ddp_bin, tmp_path, capfd,
+                                                                ddp_backend):
+    if DEVICE == "cpu" and ddp_backend == "c10d":
+        pytest.skip("fairseq's c10d wrapper gives torch's DDP device_ids, which it refuses for a "
+                    "model on the CPU")
+    check_two_ranks_equal_one_rank_with_update_freq_2(ddp_bin, tmp_path, capfd,
+                                                      cpu=DEVICE == "cpu", ddp_backend=ddp_backend)

@@ -15,6 +15,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope="module")
 def data_bin(tmp_path_factory):
+    return ddp_data_bin(tmp_path_factory)
+
+
+def ddp_data_bin(tmp_path_factory):
     return reverse_data_bin(tmp_path_factory.mktemp("ddp"), "--train", 1500, "--valid", 100,
                             splits=("train", "valid"))
 
@@ -41,10 +45,14 @@ def training_losses(log_text):
     return losses
 
 
-def test_two_ranks_equal_one_rank_with_update_freq_2(data_bin, tmp_path, capfd):
-    single = cli(*train_args(data_bin, tmp_path / "single"), "--update-freq", "2", "--cpu")
+def check_two_ranks_equal_one_rank_with_update_freq_2(data_bin, tmp_path, capfd, cpu=True,
+                                                    ddp_backend="legacy_ddp"):
+    """Two gloo ranks (on the CPU, or both on GPU 0) against one rank with --update-freq 2."""
+    single = cli(*train_args(data_bin, tmp_path / "single"), "--update-freq", "2",
+                 *(["--cpu"] if cpu else []))
     status = launch_cpu_ranks.launch(train_args(data_bin, tmp_path / "ddp"), nprocs=2,
-                                     log_dir=str(tmp_path / "logs"))
+                                     log_dir=str(tmp_path / "logs"), cpu=cpu,
+                                     ddp_backend=ddp_backend)
     rank0_out = capfd.readouterr()
     assert status == 0, rank0_out.err[-3000:]
     one, two = training_losses(single.stdout + single.stderr), training_losses(rank0_out.out +
@@ -62,6 +70,10 @@ def test_two_ranks_equal_one_rank_with_update_freq_2(data_bin, tmp_path, capfd):
     # accumulation) amplified by 12 Adam steps at a learning rate up to 0.04
     reference = torch.load(tmp_path / "single" / "params_rank0.pt")
     assert max((rank0[k] - reference[k]).abs().max().item() for k in rank0) < 1e-3
+
+
+def test_two_ranks_equal_one_rank_with_update_freq_2(data_bin, tmp_path, capfd):
+    check_two_ranks_equal_one_rank_with_update_freq_2(data_bin, tmp_path, capfd)
 
 
 def test_a_failing_rank_stops_the_launch(tmp_path):

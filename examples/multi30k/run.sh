@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# Multi30k (task 1) German -> English with the Annotated Transformer, on CPU.
+# Multi30k (task 1) German -> English with the Annotated Transformer, on the CPU or a GPU.
 #
 #   examples/multi30k/run.sh                      # downloads Multi30k (needs internet)
 #   RAW_DIR=path/to/multi30k examples/multi30k/run.sh   # or raw files {train,valid,test2016}.{de,en}
 #   ARCH=transformer examples/multi30k/run.sh     # the same recipe with fairseq's own transformer
+#   DEVICE=gpu EPOCHS=30 examples/multi30k/run.sh  # on a GPU: --fp16 and --max-tokens 8192
 #
 # Steps: prepare (sacremoses + 8k joint BPE) -> fairseq-train -> average the last 5 epoch
 # checkpoints -> fairseq-generate --beam 5 -> detokenised sacreBLEU on test2016.
 # Environment: ARCH (annotated_transformer), EPOCHS (20), LENPEN (1.6, chosen on valid),
-# WORK (work/multi30k), THREADS (torch threads; default all cores), PYTHON (.venv/bin/python).
+# WORK (work/multi30k), THREADS (torch threads; default all cores), PYTHON (.venv/bin/python),
+# BIN (where the fairseq-* and annotated-* commands are; default: beside PYTHON),
+# DEVICE (cpu, or gpu: GPU 0 in PRECISION, fp16 by default, or bf16 / amp / fp32).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-.venv/bin/python}
-BIN=$(dirname "$PYTHON")
+BIN=${BIN:-$(dirname "$PYTHON")}
 ARCH=${ARCH:-annotated_transformer}
 EPOCHS=${EPOCHS:-20}
 LENPEN=${LENPEN:-1.6}
@@ -20,6 +23,13 @@ WORK=${WORK:-work/multi30k}
 DATA=$WORK/data-bin
 CKPT=$WORK/$ARCH
 [ -n "${THREADS:-}" ] && export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
+case "${DEVICE:-cpu}" in
+  cpu) DEVICE_FLAGS=(--max-tokens 4096 --cpu) ;;
+  gpu) PRECISION=${PRECISION:-fp16}
+       DEVICE_FLAGS=(--max-tokens 8192)
+       [ "$PRECISION" = fp32 ] || DEVICE_FLAGS+=("--$PRECISION") ;;
+  *) echo "run.sh: error: DEVICE=$DEVICE; use DEVICE=cpu or DEVICE=gpu" >&2; exit 2 ;;
+esac
 
 if [ ! -f "$DATA/prepare.json" ]; then
   $BIN/annotated-prepare --corpus multi30k ${RAW_DIR:+--raw-dir "$RAW_DIR"} \
@@ -27,7 +37,8 @@ if [ ! -f "$DATA/prepare.json" ]; then
 fi
 
 # Same hyper-parameters for both architectures: d_model 256, 3+3 layers, d_ff 512, 8 heads,
-# dropout 0.3, all embeddings shared, Adam (0.9, 0.98), label smoothing 0.1, max-tokens 4096.
+# dropout 0.3, all embeddings shared, Adam (0.9, 0.98), label smoothing 0.1, max-tokens 4096
+# (8192 on a GPU).
 if [ "$ARCH" = "transformer" ]; then
   SCHEDULE=(--lr 1e-3 --lr-scheduler inverse_sqrt --warmup-updates 1000)
 else
@@ -44,7 +55,7 @@ PYTHONUNBUFFERED=1 $BIN/fairseq-train "$DATA" --user-dir fairseq_plugin --arch "
     --dropout 0.3 --weight-decay 1e-4 --share-all-embeddings \
     --criterion annotated_label_smoothing --label-smoothing 0.1 \
     --optimizer adam --adam-betas '(0.9, 0.98)' --adam-eps 1e-9 --clip-norm 0.0 "${SCHEDULE[@]}" \
-    --max-tokens 4096 --max-epoch "$EPOCHS" --seed 1 --cpu \
+    "${DEVICE_FLAGS[@]}" --max-epoch "$EPOCHS" --seed 1 \
     --save-dir "$CKPT" --keep-last-epochs 5 --log-format simple --log-interval 100 \
     2>&1 | tee "$CKPT/train.log" | "$PYTHON" -m fairseq_plugin.cli.follow --epochs "$EPOCHS"
 

@@ -27,16 +27,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_command(command, rank, world_size, port):
+def rank_command(command, rank, world_size, port, cpu=True, ddp_backend="legacy_ddp"):
     return [*command,
             "--distributed-world-size", str(world_size), "--distributed-rank", str(rank),
             "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn",
-            "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp", "--device-id", "0",
-            "--cpu"]
+            "--distributed-backend", "gloo", "--ddp-backend", ddp_backend, "--device-id", "0",
+            *(["--cpu"] if cpu else [])]
 
 
-def launch(command, nprocs, log_dir, port=None, threads=None):
-    """Run the ranks; return the exit status (0 when every rank succeeded)."""
+def launch(command, nprocs, log_dir, port=None, threads=None, cpu=True, ddp_backend="legacy_ddp"):
+    """Run the ranks; return the exit status (0 when every rank succeeded).
+
+    cpu=False leaves out --cpu: every rank then trains on GPU 0, where fairseq's c10d wrapper
+    (torch's DDP, which refuses CPU models with device ids) works too. The GPU tests use it to
+    run two ranks on one GPU (gloo; NCCL wants a GPU per rank)."""
     port = port or free_port()
     os.makedirs(log_dir, exist_ok=True)
     env = dict(os.environ)
@@ -48,8 +52,9 @@ def launch(command, nprocs, log_dir, port=None, threads=None):
         if rank > 0:
             logs.append(open(os.path.join(log_dir, f"rank{rank}.log"), "w"))
             out = logs[-1]
-        procs.append(subprocess.Popen(rank_command(command, rank, nprocs, port), env=env,
-                                      stdout=out, stderr=subprocess.STDOUT if out else None))
+        cmd = rank_command(command, rank, nprocs, port, cpu, ddp_backend)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out,
+                                      stderr=subprocess.STDOUT if out else None))
     status = 0
     try:
         while procs:
