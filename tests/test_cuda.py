@@ -9,11 +9,13 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import (REVERSE_SEED, build_tiny_model, cli, make_dictionary, random_tokens,
                       reverse_data_bin)
 from fairseq_plugin.cli import reverse_task
+from fairseq_plugin.modules import dropout
 from fairseq_plugin.modules.attention import EXPLICIT, FUSED, MultiHeadedAttention
 from fairseq_plugin.testing.recomputing import without_cache
 from test_distributed import check_two_ranks_equal_one_rank_with_update_freq_2, ddp_data_bin
@@ -78,13 +80,47 @@ def test_beam_search_is_the_same_with_and_without_the_cache_on_cuda():
         assert [h["tokens"].tolist() for h in a] == [h["tokens"].tolist() for h in b]
 
 
-def test_training_on_cuda_uses_torch_dropout_and_the_fused_kernel():
+def test_training_on_cuda_uses_torch_dropout_and_the_fused_kernel(monkeypatch):
+    calls = {"cpu mask": 0, "fused with dropout": 0}
+
+    def counted(name, function, counts=lambda *args, **kwargs: True):
+        def wrapper(*args, **kwargs):
+            calls[name] += counts(*args, **kwargs)
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(dropout._CpuDropout, "apply",
+                        counted("cpu mask", dropout._CpuDropout.apply))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted(
+        "fused with dropout", F.scaled_dot_product_attention,
+        lambda *args, dropout_p=0.0, **kwargs: dropout_p > 0))
     d = make_dictionary()
     model = build_tiny_model(d, dropout=0.3, attention_dropout=0.1).to(DEVICE).train()
     src, tgt = random_tokens(d, 4, 7).to(DEVICE), random_tokens(d, 4, 6).to(DEVICE)
     logits = model(src, torch.full((4,), 7).to(DEVICE), tgt)[0]
     logits.float().pow(2).mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    # every attention (2 + 2 * 2 in the tiny model) fused, with its dropout; the cheaper mask of
+    # modules/dropout.py on the CPU only
+    assert calls["fused with dropout"] == 6
+    assert (calls["cpu mask"] > 0) == (DEVICE == "cpu")
+
+
+@pytest.fixture(scope="module")
+def ddp_bin(tmp_path_factory):
+    return ddp_data_bin(tmp_path_factory)
+
+
+# fairseq wraps the model for data parallelism only when the world is larger than one rank, so
+# its wrappers run here with two ranks on the one GPU (gloo: NCCL wants a GPU per rank)
+@pytest.mark.parametrize("ddp_backend", ["legacy_ddp", "c10d"])
+def test_two_ranks_on_one_gpu_equal_one_rank_with_update_freq_2(ddp_bin, tmp_path, capfd,
+                                                                ddp_backend):
+    if DEVICE == "cpu" and ddp_backend == "c10d":
+        pytest.skip("fairseq's c10d wrapper gives torch's DDP device_ids, which it refuses for a "
+                    "model on the CPU")
+    check_two_ranks_equal_one_rank_with_update_freq_2(ddp_bin, tmp_path, capfd,
+                                                      cpu=DEVICE == "cpu", ddp_backend=ddp_backend)
 
 
 @pytest.fixture(scope="module")
@@ -110,20 +146,3 @@ def test_reverse_task_in_mixed_precision_reaches_the_cpu_bar_and_translates_alik
         outputs[device] = reverse_task.read_generate_output(str(path))
     assert reverse_task.exact_match(outputs["cuda"]) >= 0.95
     assert outputs["cuda"] == outputs["cpu"]
-
-
-@pytest.fixture(scope="module")
-def ddp_bin(tmp_path_factory):
-    return ddp_data_bin(tmp_path_factory)
-
-
-# fairseq wraps the model for data parallelism only when the world is larger than one rank, so
-# its wrappers run here with two ranks on the one GPU (gloo: NCCL wants a GPU per rank)
-@pytest.mark.parametrize("ddp_backend", ["legacy_ddp", "c10d"])
-def test_two_ranks_on_one_gpu_equal_one_rank_with_update_freq_2(ddp_bin, tmp_path, capfd,
-                                                                ddp_backend):
-    if DEVICE == "cpu" and ddp_backend == "c10d":
-        pytest.skip("fairseq's c10d wrapper gives torch's DDP device_ids, which it refuses for a "
-                    "model on the CPU")
-    check_two_ranks_equal_one_rank_with_update_freq_2(ddp_bin, tmp_path, capfd,
-                                                      cpu=DEVICE == "cpu", ddp_backend=ddp_backend)

@@ -59,9 +59,10 @@ PYTHONUNBUFFERED=1 $BIN/fairseq-train "$DATA" --user-dir fairseq_plugin --arch "
     --save-dir "$CKPT" --keep-last-epochs 5 --log-format simple --log-interval 100 \
     2>&1 | tee "$CKPT/train.log" | "$PYTHON" -m fairseq_plugin.cli.follow --epochs "$EPOCHS"
 
-$BIN/annotated-average-checkpoints --inputs "$CKPT" --num-epoch-checkpoints 5 \
-    --output "$CKPT/average_last5.pt" --force
-for ckpt in checkpoint_last.pt average_last5.pt; do
+LAST=$(( EPOCHS < 5 ? EPOCHS : 5 ))  # fairseq keeps the last 5 epoch checkpoints
+$BIN/annotated-average-checkpoints --inputs "$CKPT" --num-epoch-checkpoints $LAST \
+    --output "$CKPT/average_last$LAST.pt" --force
+for ckpt in checkpoint_last.pt average_last$LAST.pt; do
   echo "== $ARCH $ckpt"
   $BIN/annotated-evaluate-bleu "$DATA" "$CKPT/$ckpt" --beam 5 --lenpen "$LENPEN" --examples 0 \
       --output "$CKPT/${ckpt%.pt}.test2016.en" | tee "$CKPT/${ckpt%.pt}.bleu"
