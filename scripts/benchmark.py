@@ -436,6 +436,8 @@ def main(argv=None):
                         "padding (packing off), alternated with the others")
     p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if (args.profile_steps or args.without_packing) and not args.steps_in_process:
+        p.error("--profile-steps and --without-packing go with --steps-in-process N")
     if args.ctranslate2_worker:
         return ctranslate2_worker(*json.loads(args.ctranslate2_worker))
 

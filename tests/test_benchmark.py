@@ -68,3 +68,11 @@ def test_steps_in_process_time_the_models_and_profile_their_matrix_products(tmp_
     # the same batch: computing the padding (about a fifth of the target positions here) costs
     # matrix products that packing saves
     assert 0 < gflop["annotated_transformer"] < gflop["annotated_transformer without packing"]
+
+
+def test_step_options_without_steps_in_process_are_one_error_line():
+    proc = subprocess.run([sys.executable, BENCHMARK, "--without-packing"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == ("benchmark.py: error: --profile-steps and "
+                                            "--without-packing go with --steps-in-process N")
