@@ -80,3 +80,15 @@ def test_a_failing_rank_stops_the_launch(tmp_path):
     status = launch_cpu_ranks.launch([sys.executable, "-c", "import sys; sys.exit(3)"], nprocs=2,
                                      log_dir=str(tmp_path))
     assert status == 3
+
+
+def test_the_launcher_has_help_and_names_a_missing_command_in_one_line(capsys):
+    with pytest.raises(SystemExit) as help_exit:
+        launch_cpu_ranks.main(["--help"])
+    assert help_exit.value.code == 0 and "-- fairseq-train DATA" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as error_exit:
+        launch_cpu_ranks.main(["--nprocs", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert error_exit.value.code == 2
+    assert err[-1].endswith("error: give the command after --, e.g. annotated-launch-cpu-ranks "
+                            "--nprocs 2 -- fairseq-train DATA --arch ...")

@@ -80,19 +80,18 @@ def launch(command, nprocs, log_dir, port=None, threads=None, cpu=True, ddp_back
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        sys.exit("annotated-launch-cpu-ranks: error: give the command after --, e.g. "
-                 "annotated-launch-cpu-ranks --nprocs 2 -- fairseq-train DATA --arch ...")
-    split = argv.index("--")
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                usage="%(prog)s [options] -- fairseq-train DATA ...")
     p.add_argument("--nprocs", type=int, default=2, help="number of ranks")
     p.add_argument("--port", type=int, help="TCP port on 127.0.0.1 (default: a free one)")
     p.add_argument("--threads", type=int, help="torch threads per rank (default: cores / N)")
     p.add_argument("--log-dir", default="distributed-logs", help="where rank R>0 logs go")
-    args = p.parse_args(argv[:split])
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:split])  # -h / --help stops here
     command = argv[split + 1:]
     if not command:
-        p.error("no command after --")
+        p.error("give the command after --, e.g. annotated-launch-cpu-ranks --nprocs 2 -- "
+                "fairseq-train DATA --arch ...")
     if args.nprocs < 1:
         p.error("--nprocs must be at least 1")
     sys.exit(launch(command, args.nprocs, args.log_dir, args.port, args.threads))
