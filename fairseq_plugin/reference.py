@@ -69,16 +69,17 @@ class MultiHeadedAttention(nn.Module):
         """This plain module with the weights of a fairseq_plugin MultiHeadedAttention, whose
         W^Q, W^K, W^V are stored side by side."""
         d_model = fast.h * fast.d_k
-        if fast.self_attention:
-            w, b = fast.qkv_proj.weight, fast.qkv_proj.bias
-        else:
-            w = torch.cat([fast.q_proj.weight, fast.kv_proj.weight], 0)
-            b = torch.cat([fast.q_proj.bias, fast.kv_proj.bias], 0)
-        plain = cls(fast.h, d_model, d_memory=w.size(1) if not fast.self_attention else None)
+        if fast.self_attention:  # [W^Q; W^K; W^V]
+            weights, biases = fast.qkv_proj.weight.chunk(3), fast.qkv_proj.bias.chunk(3)
+        else:  # W^Q and [W^K; W^V], whose inputs may be wider (d_memory)
+            weights = (fast.q_proj.weight, *fast.kv_proj.weight.chunk(2))
+            biases = (fast.q_proj.bias, *fast.kv_proj.bias.chunk(2))
+        plain = cls(fast.h, d_model,
+                    d_memory=None if fast.self_attention else fast.kv_proj.in_features)
         with torch.no_grad():
-            for i, linear in enumerate((plain.w_q, plain.w_k, plain.w_v)):
-                linear.weight.copy_(w[i * d_model:(i + 1) * d_model])
-                linear.bias.copy_(b[i * d_model:(i + 1) * d_model])
+            for linear, w, b in zip((plain.w_q, plain.w_k, plain.w_v), weights, biases):
+                linear.weight.copy_(w)
+                linear.bias.copy_(b)
             plain.w_o.load_state_dict(fast.out_proj.state_dict())
         return plain
 
@@ -94,7 +95,8 @@ class LabelSmoothing(nn.Module):
 
     def target_distribution(self, target: Tensor) -> Tensor:
         """target (N,) -> (N, V)"""
-        dist = torch.full((target.numel(), self.vocab_size), self.smoothing / (self.vocab_size - 2))
+        dist = torch.full((target.numel(), self.vocab_size), self.smoothing / (self.vocab_size - 2),
+                          device=target.device)
         dist.scatter_(1, target[:, None], 1.0 - self.smoothing)
         dist[:, self.padding_idx] = 0.0
         dist[target == self.padding_idx] = 0.0
@@ -112,7 +114,7 @@ def greedy_decode(model, src_tokens: Tensor, src_lengths: Tensor, max_len: int) 
     run the decoder over the whole prefix and pick the most probable next token, projecting only
     the newest position. fairseq starts every target with eos. Returns (B, max_len) tokens."""
     encoder_out = model.encoder(src_tokens, src_lengths)
-    ys = torch.full((src_tokens.size(0), 1), model.decoder.dictionary.eos())
+    ys = src_tokens.new_full((src_tokens.size(0), 1), model.decoder.dictionary.eos())
     for _ in range(max_len):
         features, _ = model.decoder.extract_features(ys, encoder_out)  # (B, t, d_model)
         logits = model.decoder.output_layer(features[:, -1])  # (B, V)

@@ -27,10 +27,10 @@ def pad_mask(pad):
     return ~pad[:, None, None, :]
 
 
-@pytest.mark.parametrize("self_attention", [True, False])
-def test_attention_equals_the_seed_formula(self_attention):
-    attn = MultiHeadedAttention(4, 32, self_attention=self_attention).eval()
-    x, memory = torch.randn(3, 5, 32), torch.randn(3, 7, 32)
+@pytest.mark.parametrize("self_attention, memory_dim", [(True, None), (False, None), (False, 48)])
+def test_attention_equals_the_seed_formula(self_attention, memory_dim):
+    attn = MultiHeadedAttention(4, 32, self_attention=self_attention, memory_dim=memory_dim).eval()
+    x, memory = torch.randn(3, 5, 32), torch.randn(3, 7, memory_dim or 32)
     out, _ = attn(x, None if self_attention else memory)
     expected, _ = seed_formula(x, memory, attn)
     assert torch.allclose(out, expected, atol=1e-5)

@@ -6,7 +6,9 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build_tiny_model, make_dictionary, random_tokens
 from fairseq_plugin.modules.attention import FUSED, MultiHeadedAttention, attention_reference
-from fairseq_plugin.modules.cache import BeamReorder, SelfAttentionCache, kept_groups, repeats_rows
+from fairseq_plugin.modules import cache as cache_module
+from fairseq_plugin.modules.cache import (BeamReorder, SelfAttentionCache, SourceAttentionCache,
+                                          kept_groups, repeats_rows)
 from fairseq_plugin.reference import greedy_decode
 from fairseq_plugin.testing.recomputing import cached_rows, without_cache
 
@@ -219,6 +221,50 @@ def test_source_keys_and_values_are_kept_once_per_sentence_and_not_copied_within
             assert torch.equal(m.cache(state).k, k[[0, 2]])
             keys, _ = cached_rows(m, state)
             assert torch.equal(keys, k[[0, 2]].repeat_interleave(beam, 0))
+
+
+def beam_search_of_sharp_tiny_model(beam=4):
+    d = make_dictionary(40)
+    model = build_tiny_model(d)
+    with torch.no_grad():  # sharper distributions than random init, so beams differ clearly
+        model.decoder.generator.proj.weight.mul_(4.0)
+    src, lengths = padded_sources(d, [6, 9, 4], left_pad=True)
+    gen = SequenceGenerator([model], d, beam_size=beam, max_len_b=10)
+    with torch.no_grad():
+        hypos = gen.generate([model], {"net_input": {"src_tokens": src, "src_lengths": lengths}})
+    return d, model, src, lengths, hypos
+
+
+def test_alignments_of_cached_beam_search_equal_a_full_pass_with_source_keys_still_grouped(
+        monkeypatch):
+    """need_attn on (validation with --eval-bleu, --print-alignment): the source attention's
+    weights come from the grouped source cache, one row of keys per sentence."""
+    ungrouped = []
+    ungroup = SourceAttentionCache.ungroup
+    monkeypatch.setattr(SourceAttentionCache, "ungroup",
+                        lambda self: (ungrouped.append(self.group), ungroup(self)))
+    d, model, src, lengths, hypos = beam_search_of_sharp_tiny_model()
+    assert ungrouped == []
+    for i, sentence in enumerate(hypos):
+        for hypo in sentence:
+            prev = torch.cat([torch.tensor([d.eos()]), hypo["tokens"][:-1]])[None]
+            with torch.no_grad():
+                attn = model(src[i:i + 1], lengths[i:i + 1], prev)[1]["attn"][0][0]  # (T, S)
+            assert (attn.T - hypo["attention"]).abs().max() <= 1e-5
+
+
+def test_a_beam_step_decides_once_whether_cached_rows_move_not_once_per_cache(monkeypatch):
+    """Each such decision reads a tensor back from the device (a GPU sync): once per step."""
+    decisions, reorders = [], []
+    is_identity = cache_module.is_identity
+    monkeypatch.setattr(cache_module, "is_identity",
+                        lambda index, n: (decisions.append(n), is_identity(index, n))[1])
+    init = BeamReorder.__init__
+    monkeypatch.setattr(BeamReorder, "__init__",
+                        lambda self, new_order: (reorders.append(1), init(self, new_order))[1])
+    _, model, _, _, _ = beam_search_of_sharp_tiny_model()
+    assert len(model.decoder.attentions()) == 4 and len(reorders) >= 5
+    assert len(decisions) == len(reorders)  # the 4 caches share one answer per step
 
 
 def naive_history_test_steps(group, steps, cross_group_at=None, shrink_at=None, seed=0):

@@ -77,7 +77,7 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
                 args.dropout, normalize_before=not args.post_norm)
             for _ in range(args.encoder_layers)])
         self.norm = None if args.post_norm else nn.LayerNorm(d)  # pre-LN's final LayerNorm
-        self.skip_padding = True  # feed-forward sub-layers on real tokens only (packing.py)
+        self.skip_padding = True  # in training, position-wise work on real tokens only (packing.py)
         self.beam_size = 1  # set by fairseq's SequenceGenerator, through the model
 
     def forward(self, src_tokens: Tensor, src_lengths: Optional[Tensor] = None,
@@ -164,9 +164,9 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
             for _ in range(args.decoder_layers)])
         self.norm = None if args.post_norm else nn.LayerNorm(d)  # pre-LN's final LayerNorm
         self.generator = Generator(d, len(dictionary), output_weight)
-        self.skip_padding = True  # feed-forward sub-layers on real tokens only (packing.py)
+        self.skip_padding = True  # in training, position-wise work on real tokens only (packing.py)
         # return the source attention outside training (fairseq-generate turns it off unless
-        # --print-alignment, through make_generation_fast_)
+        # --print-alignment, through make_generation_fast_; --eval-bleu's validation keeps it)
         self.need_attn = True
 
     def forward(
@@ -266,7 +266,9 @@ def _option(default, help):
 @dataclass
 class AnnotatedTransformerConfig(FairseqDataclass):
     """The model's options (``model.*`` in a fairseq-hydra-train YAML, ``--*`` on the command
-    line): fairseq ``transformer``'s names and meanings; the defaults are the paper's base model."""
+    line): fairseq ``transformer``'s names and meanings; the defaults are the paper's base model,
+    with fairseq's 0.0 for attention_dropout and activation_dropout (the notebook's make_model
+    uses its dropout, 0.1, there too: --attention-dropout 0.1 --activation-dropout 0.1)."""
 
     activation_fn: ChoiceEnum(utils.get_available_activation_fns()) = _option(
         "relu", "activation function of the position-wise feed-forward network")

@@ -154,8 +154,8 @@ class MultiHeadedAttention(nn.Module):
         (B, h, T, S)."""
         B, T, _ = query.shape
         cache = self.cache(incremental_state)
-        if cache is not None and need_weights:
-            cache.ungroup()  # weights need each hypothesis's own keys
+        if cache is not None and need_weights and self.self_attention:
+            cache.ungroup()  # weights over each hypothesis's own history, not its group's
         # 1) "linearly project the queries, keys and values h times": (B, L, d_model) ->
         #    (B, h, L, d_k); no keys and values when the cache already holds the source's
         q, k, v = self.project(query, memory, cache)

@@ -75,17 +75,27 @@ def is_identity(index: Tensor, n: int) -> bool:
 class BeamReorder:
     """One reorder of beam search, shared by every cache of a step: row i of the new order
     continues the hypothesis of old row ``new_order[i]`` (rows may be dropped as sentences finish).
-    Whether rows stay in their groups is worked out once (per group size) and remembered."""
+    Whether rows stay in their groups, and whether any stored row moves, is worked out once per
+    step (per group size and row count), not once per cache: each answer reads a tensor back
+    from the device."""
 
     def __init__(self, new_order: Tensor):
         self.new_order = new_order
         self._groups: Dict[int, Optional[Tensor]] = {}
+        self._moves: Dict[Tuple[int, int], bool] = {}
 
     def groups(self, group: int) -> Optional[Tensor]:
         """``kept_groups(new_order, group)``, computed once."""
         if group not in self._groups:
             self._groups[group] = kept_groups(self.new_order, group)
         return self._groups[group]
+
+    def moves(self, group: int, rows: int) -> bool:
+        """Whether ``groups(group)`` changes ``rows`` stored rows (not all kept, in order)."""
+        if (group, rows) not in self._moves:
+            kept = self.groups(group)
+            self._moves[group, rows] = kept is None or not is_identity(kept, rows)
+        return self._moves[group, rows]
 
 
 class KeyValueCache:
@@ -151,12 +161,11 @@ class SourceAttentionCache(KeyValueCache):
     def reorder(self, reorder: BeamReorder) -> None:
         if self.k is None:
             return
-        kept = reorder.groups(self.group)
-        if kept is None:  # a row leaves its group: one row per hypothesis from now on
+        if reorder.groups(self.group) is None:  # a row leaves its group: one row per hypothesis
             self.ungroup()
-            kept = reorder.new_order
-        if is_identity(kept, self.k.size(0)):
+        if not reorder.moves(self.group, self.k.size(0)):
             return  # every row kept its sentence: nothing moves
+        kept = reorder.groups(self.group)
         self.k, self.v = self.k.index_select(0, kept), self.v.index_select(0, kept)
         if self.mask is not None:
             self.mask = self.mask.index_select(0, kept)
@@ -236,16 +245,15 @@ class SelfAttentionCache(KeyValueCache):
         """Within groups only the ancestry masks are gathered; otherwise rows are (lazily)."""
         if self.k is None:
             return
-        kept = reorder.groups(self.group)
-        if kept is None:  # a row continues another sentence's hypothesis
+        if reorder.groups(self.group) is None:  # a row continues another sentence's hypothesis
             self.ungroup()
-            kept = reorder.new_order
+        kept = reorder.groups(self.group)
         if self.group == 1:
             rows = self.k.size(0) if self.order is None else self.order.numel()
-            if not is_identity(kept, rows):
+            if reorder.moves(1, rows):
                 self.order = kept if self.order is None else self.order.index_select(0, kept)
             return
-        if not is_identity(kept, self.k.size(0)):  # sentences finished
+        if reorder.moves(self.group, self.k.size(0)):  # sentences finished
             self.k, self.v = self.k.index_select(0, kept), self.v.index_select(0, kept)
         self.ancestry = self.ancestry.index_select(0, reorder.new_order)
 

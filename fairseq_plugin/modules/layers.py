@@ -84,7 +84,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, memory: Tensor, tgt_mask: Optional[Tensor],
                 src_mask: Optional[Tensor], incremental_state: Optional[IncrementalState] = None,
                 need_attn: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-        """x (B, T, d_model), memory (B, S, d_model); tgt_mask (B, 1, 1, T) / src_mask
+        """x (B, T, d_model), memory (B, S, d_memory); tgt_mask (B, 1, 1, T) / src_mask
         (B, 1, 1, S), True at real tokens, or None. Self-attention is causal.
         Returns x and, if need_attn, the source attention (B, h, T, S)."""
         x = self.sublayer[0](x, lambda y: self.self_attn(
