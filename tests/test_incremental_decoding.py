@@ -5,7 +5,7 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build_tiny_model, make_dictionary, random_tokens
-from fairseq_plugin.modules.attention import FUSED, MultiHeadedAttention, attention_reference
+from fairseq_plugin.modules.attention import FUSED, MultiHeadedAttention, explicit_attention
 from fairseq_plugin.modules import cache as cache_module
 from fairseq_plugin.modules.cache import (BeamReorder, SelfAttentionCache, SourceAttentionCache,
                                           kept_groups, repeats_rows)
@@ -324,8 +324,8 @@ def test_grouped_history_attention_equals_attention_over_each_rows_own_history()
     k, v, bias = history.keys_values()  # (3, 2, 28, 4), mask (3, 1, 4, 28)
     q = torch.randn(12, 2, 1, 4)
     grouped = q.view(3, 4, 2, 4).transpose(1, 2)  # the 4 queries of each group together
-    out, _ = attention_reference(grouped, k, v, bias)
-    expected, _ = attention_reference(q, ref_k, ref_v)
+    out, _ = explicit_attention(grouped, k, v, bias)
+    expected, _ = explicit_attention(q, ref_k, ref_v)
     assert torch.allclose(out.transpose(1, 2).reshape(12, 2, 1, 4), expected, atol=1e-6)
 
 

@@ -1,4 +1,4 @@
-from .attention import MultiHeadedAttention, attention_reference, causal_mask  # noqa: F401
+from .attention import MultiHeadedAttention, explicit_attention, causal_mask  # noqa: F401
 from .embeddings import (  # noqa: F401
     Embeddings,
     Generator,

@@ -56,8 +56,9 @@ def causal_mask(query_len: int, key_len: int, device) -> Tensor:
     return torch.ones(query_len, key_len, dtype=torch.bool, device=device).tril(key_len - query_len)
 
 
-def attention_reference(query, key, value, mask=None, dropout=None):
-    """softmax(Q K^T / sqrt(d_k)) V written out, also returning the weights.
+def explicit_attention(query, key, value, mask=None, dropout=None):
+    """softmax(Q K^T / sqrt(d_k)) V written out, also returning the weights: the EXPLICIT kernel,
+    the notebook's ``attention()`` (``reference.attention``) made safe for fp16 and empty rows.
 
     query (B, h, T, d_k), key/value (B, h, S, d_k); mask broadcastable to (B, h, T, S): boolean,
     True where a query may attend, or additive (0 / -inf). Scores are computed in fp32 and masked
@@ -99,7 +100,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool
         causal_part = causal_mask(q.size(-2), k.size(-2), q.device)
         mask, causal = (causal_part if mask is None else mask & causal_part), False
     if kernel == EXPLICIT:
-        return attention_reference(q, k, v, mask, dropout)
+        return explicit_attention(q, k, v, mask, dropout)
     empty = None
     if mask is not None and mask.dtype == torch.bool and not _SDPA_ZEROES_EMPTY_ROWS:
         empty = ~mask.any(-1, keepdim=True)  # queries with no key to attend to
