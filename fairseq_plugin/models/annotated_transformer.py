@@ -5,7 +5,9 @@ the encoder maps an input sequence of symbol representations (x_1, ..., x_n) to 
 continuous representations z = (z_1, ..., z_n). Given z, the decoder then generates an output
 sequence (y_1, ..., y_m) of symbols one element at a time." (Vaswani et al. 2017, section 3)
 
-Tensors are batch-first: B batch, S source length, T target length, d d_model.
+Tensors are batch-first: B batch, S source length, T target length, d d_model. Where each of the
+notebook's pieces lives (EncoderDecoder, make_model, Generator, ...): the README's table "Where each
+idea of the Annotated Transformer lives".
 """
 
 import argparse

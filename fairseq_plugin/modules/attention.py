@@ -47,7 +47,8 @@ def check_heads_divide(d_model: int, heads: int, flag_prefix: str) -> None:
 
 
 def causal_mask(query_len: int, key_len: int, device) -> Tensor:
-    """(T, S) boolean, True where query i may attend to key j: j <= i + (S - T).
+    """(T, S) boolean, True where query i may attend to key j: j <= i + (S - T) (the notebook's
+    ``subsequent_mask``, which is the case S = T).
 
     "We ... modify the self-attention sub-layer in the decoder stack to prevent positions from
     attending to subsequent positions." (section 3.1) The offset S - T counts earlier positions
