@@ -49,11 +49,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     os.makedirs(args.dest, exist_ok=True)
     platform = [f for name in PLATFORMS for f in ("--platform", name)]
-    pip("download", "--no-deps", "--only-binary=:all:", "--python-version", args.python_version,
-        "--implementation", "cp", *platform, "-d", args.dest, *BINARY)
-    if args.extra:
-        pip("download", "--only-binary=:all:", "--python-version", args.python_version,
-            "--implementation", "cp", *platform, "-d", args.dest, *args.extra)
+    for_node = ["--only-binary=:all:", "--python-version", args.python_version,
+                "--implementation", "cp", *platform, "-d", args.dest]
+    pip("download", "--no-deps", *for_node, *BINARY)
+    if args.extra:  # with what they need
+        pip("download", *for_node, *args.extra)
     pip("wheel", "--no-deps", "-w", args.dest, *SOURCE_ONLY)
     pip("wheel", "--no-deps", "-w", args.dest, REPO)
     wheels = sorted(glob.glob(os.path.join(args.dest, "*.whl")))
