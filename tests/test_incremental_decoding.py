@@ -8,8 +8,9 @@ from conftest import build_tiny_model, make_dictionary, random_tokens
 from fairseq_plugin.modules.attention import FUSED, MultiHeadedAttention, explicit_attention
 from fairseq_plugin.modules import cache as cache_module
 from fairseq_plugin.modules.cache import (BeamReorder, SelfAttentionCache, SourceAttentionCache,
-                                          kept_groups, repeats_rows)
+                                          plan_reorder, repeats_rows)
 from fairseq_plugin.reference import greedy_decode
+from fairseq_plugin.testing.operations import OperationCounter, counting_step_calls
 from fairseq_plugin.testing.recomputing import cached_rows, without_cache
 
 
@@ -162,13 +163,19 @@ def test_sequence_generator_beam4_gives_the_same_hypotheses_with_and_without_cac
     assert len({tuple(h["tokens"].tolist()) for h in cached[0]}) > 1
 
 
-def test_reorders_are_classified_by_whether_rows_stay_in_their_groups():
-    assert kept_groups(torch.tensor([1, 0, 2, 5, 3, 3]), 3).tolist() == [0, 1]
-    assert kept_groups(torch.tensor([1, 0, 2, 2, 5, 3]), 3) is None
-    assert kept_groups(torch.tensor([3, 2, 2, 3]), 2).tolist() == [1, 1]
-    assert kept_groups(torch.tensor([3, 0]), 2) is None  # row 1 takes another group's row
-    assert kept_groups(torch.tensor([0, 1, 2]), 2) is None  # not whole groups
-    assert kept_groups(torch.tensor([2, 0]), 1).tolist() == [2, 0]  # each row its own group
+def test_reorders_are_classified_by_whether_rows_stay_in_their_groups_and_stored_rows_move():
+    def plan(new_order, group, rows):
+        kept, moves = plan_reorder(torch.tensor(new_order), group, rows)
+        return (None if kept is None else kept.tolist()), moves
+
+    assert plan([1, 0, 2, 5, 3, 3], 3, rows=2) == ([0, 1], False)  # within groups: nothing moves
+    assert plan([1, 0, 2, 2, 5, 3], 3, rows=2) == (None, True)
+    assert plan([3, 2, 2, 3], 2, rows=2) == ([1, 1], True)  # group 1 continues in both
+    assert plan([5, 4], 2, rows=3) == ([2], True)  # sentences 0 and 1 finished
+    assert plan([3, 0], 2, rows=2) == (None, True)  # row 1 takes another group's row
+    assert plan([0, 1, 2], 2, rows=2) == (None, True)  # not whole groups
+    assert plan([2, 0], 1, rows=3) == ([2, 0], True)  # each row its own group
+    assert plan([0, 1], 1, rows=2) == ([0, 1], False)
     assert repeats_rows(torch.tensor([0, 0, 0, 1, 1, 1]), 3)
     assert not repeats_rows(torch.tensor([0, 0, 1, 1, 1, 1]), 3)
     assert not repeats_rows(torch.tensor([0, 1, 2, 3]), 2)
@@ -223,11 +230,16 @@ def test_source_keys_and_values_are_kept_once_per_sentence_and_not_copied_within
             assert torch.equal(keys, k[[0, 2]].repeat_interleave(beam, 0))
 
 
-def beam_search_of_sharp_tiny_model(beam=4):
-    d = make_dictionary(40)
-    model = build_tiny_model(d)
+def sharp_tiny_model():
+    model = build_tiny_model(make_dictionary(40))
     with torch.no_grad():  # sharper distributions than random init, so beams differ clearly
         model.decoder.generator.proj.weight.mul_(4.0)
+    return model
+
+
+def beam_search_of_sharp_tiny_model(model=None, beam=4):
+    model = model or sharp_tiny_model()
+    d = model.decoder.dictionary
     src, lengths = padded_sources(d, [6, 9, 4], left_pad=True)
     gen = SequenceGenerator([model], d, beam_size=beam, max_len_b=10)
     with torch.no_grad():
@@ -253,18 +265,28 @@ def test_alignments_of_cached_beam_search_equal_a_full_pass_with_source_keys_sti
             assert (attn.T - hypo["attention"]).abs().max() <= 1e-5
 
 
-def test_a_beam_step_decides_once_whether_cached_rows_move_not_once_per_cache(monkeypatch):
-    """Each such decision reads a tensor back from the device (a GPU sync): once per step."""
-    decisions, reorders = [], []
-    is_identity = cache_module.is_identity
-    monkeypatch.setattr(cache_module, "is_identity",
-                        lambda index, n: (decisions.append(n), is_identity(index, n))[1])
-    init = BeamReorder.__init__
-    monkeypatch.setattr(BeamReorder, "__init__",
-                        lambda self, new_order: (reorders.append(1), init(self, new_order))[1])
-    _, model, _, _, _ = beam_search_of_sharp_tiny_model()
-    assert len(model.decoder.attentions()) == 4 and len(reorders) >= 5
-    assert len(decisions) == len(reorders)  # the 4 caches share one answer per step
+def test_a_beam_step_reads_the_device_once_per_reorder_and_never_in_the_decoder():
+    """Each reorder (the decoder's caches, the encoder output) decides whether rows move with one
+    read, shared by every cache; the decoder's step itself reads nothing (the source mask comes
+    from the encoder, positions are checked against the limit from the row length)."""
+    model = sharp_tiny_model()
+    with counting_step_calls(model) as counts:
+        beam_search_of_sharp_tiny_model(model)
+    reads = {name: {n_reads for _, n_reads in calls} for name, calls in counts.items()}
+    assert len(counts["forward"]) >= 5 and len(model.decoder.attentions()) == 4
+    assert reads == {"forward": {0}, "reorder_incremental_state_scripting": {1},  # 4 caches
+                     "reorder_encoder_out": {1}}
+
+
+def test_operation_counter_counts_launches_and_host_reads_but_not_views_or_host_tensors():
+    x = torch.arange(6.0)
+    with OperationCounter() as counter:
+        y = x.view(2, 3).t()  # views: nothing launched
+        z = (y * 2).sum()  # two launches
+        bool(z > 1)  # a launch and a read
+        x.tolist()  # a read
+        int(torch.tensor(3))  # made on the host: not a read
+    assert (counter.launches, counter.reads) == (3, 2)
 
 
 def naive_history_test_steps(group, steps, cross_group_at=None, shrink_at=None, seed=0):

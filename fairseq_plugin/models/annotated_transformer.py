@@ -32,14 +32,13 @@ from torch import Tensor, nn
 
 from ..errors import PluginError
 from ..modules.attention import IncrementalState, MultiHeadedAttention
-from ..modules.cache import BeamReorder, is_identity, kept_groups, repeats_rows
+from ..modules.cache import BeamReorder, plan_reorder, repeats_rows
 from ..modules.embeddings import (
     EmbeddingLayer,
     Embeddings,
     Generator,
     LearnedPositionalEncoding,
     SinusoidalPositionalEncoding,
-    positions_of,
 )
 from ..modules.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 from ..modules.packing import real_positions
@@ -84,10 +83,12 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
 
     def forward(self, src_tokens: Tensor, src_lengths: Optional[Tensor] = None,
                 return_all_hiddens: bool = False, **unused):
-        """src_tokens (B, S) -> {"encoder_out": [(B, S, d)], "encoder_padding_mask": [(B, S)], ...}"""
+        """src_tokens (B, S) -> {"encoder_out": [(B, S, d)], "encoder_padding_mask": [(B, S)],
+        "src_mask": [(B, 1, 1, S)] or [] when nothing is padded, ...}"""
         padding_mask = src_tokens.eq(self.padding_idx)  # (B, S), True at padding
+        # the notebook's src_mask, True at real tokens, made once for the encoder and the decoder
         mask = ~padding_mask[:, None, None, :] if padding_mask.any() else None  # (B, 1, 1, S)
-        x = self.embed(src_tokens, positions_of(src_tokens, self.padding_idx))
+        x = self.embed(src_tokens, self.embed.positions(src_tokens))
         states = [x] if return_all_hiddens else []
         # in training, position-wise work on real tokens only (modules/packing.py)
         packing = real_positions(padding_mask, self.skip_padding and self.training)
@@ -102,6 +103,7 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         return {
             "encoder_out": [x],  # (B, S, d): batch-first, unlike fairseq's transformer
             "encoder_padding_mask": [padding_mask],
+            "src_mask": [mask] if mask is not None else [],
             "encoder_states": states,
             "src_lengths": [src_lengths] if src_lengths is not None else [],
             "beam_group": [],  # see reorder_encoder_out
@@ -117,8 +119,8 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         finish, their groups are dropped.
         """
         group = beam_group(encoder_out)
-        kept = kept_groups(new_order, group)
-        if kept is not None and is_identity(kept, encoder_out["encoder_out"][0].size(0) // group):
+        kept, moves = plan_reorder(new_order, group, encoder_out["encoder_out"][0].size(0) // group)
+        if not moves:
             return encoder_out
         reordered = {key: [t.index_select(0, new_order) for t in value]
                      for key, value in encoder_out.items() if key != "beam_group"}
@@ -129,6 +131,12 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
 
     def max_positions(self) -> int:
         return self.embed.max_positions
+
+
+def source_mask(encoder_out: Dict[str, List[Tensor]]) -> Optional[Tensor]:
+    """The encoder's src_mask (B, 1, 1, S), True at real tokens; None when nothing is padded."""
+    mask = encoder_out["src_mask"]
+    return mask[0] if mask else None
 
 
 def beam_group(encoder_out: Dict[str, List[Tensor]]) -> int:
@@ -194,7 +202,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
     def extract_features(self, prev_output_tokens, encoder_out, incremental_state=None,
                          alignment_layer=None, alignment_heads=None, **unused):
         """(B, T, d) features before the generator, and {"attn", "inner_states"}."""
-        positions = positions_of(prev_output_tokens, self.padding_idx)
+        positions = self.embed.positions(prev_output_tokens)  # (B, T)
         if incremental_state is not None:  # only the newest token is new
             prev_output_tokens, positions = prev_output_tokens[:, -1:], positions[:, -1:]
             if self.layers[0].self_attn.cache(incremental_state) is None:  # the first step
@@ -202,8 +210,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
 
         # masks, True where a query may attend: the source's real tokens; target padding only
         # where it stands before real tokens (left padding: the causal mask hides the rest)
-        src_padding = encoder_out["encoder_padding_mask"][0]  # (B, S)
-        src_mask = ~src_padding[:, None, None, :] if src_padding.any() else None
+        src_mask = source_mask(encoder_out)  # (B, 1, 1, S) or None
         tgt_padding = prev_output_tokens.eq(self.padding_idx)  # (B, T)
         left_padded = incremental_state is None and bool(  # one new token: nothing to hide
             (tgt_padding[:, :-1] & ~tgt_padding[:, 1:]).any())

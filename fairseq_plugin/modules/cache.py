@@ -45,17 +45,25 @@ from torch import Tensor
 MIN_CAPACITY = 32  # self-attention steps allocated at first; doubled when full
 
 
-def kept_groups(new_order: Tensor, group: int) -> Optional[Tensor]:
-    """When every row of ``new_order`` continues a row of its own group of ``group`` rows: the old
-    group each new group comes from, (B' / group,); otherwise None. With group 1 every row is its
-    own group: ``new_order`` itself."""
+def plan_reorder(new_order: Tensor, group: int, rows: int) -> Tuple[Optional[Tensor], bool]:
+    """What ``new_order`` does to ``rows`` stored rows, each shared by a group of ``group``
+    consecutive rows (1: each row its own). Returns (kept, moves):
+    - kept: when every row of the new order continues a row of its own group, the old group each
+      new group comes from, (B' / group,) (with group 1: ``new_order`` itself); otherwise None;
+    - moves: whether the stored rows change (kept is None, or it does not keep them all, in order).
+    Both answers come from one read of the device."""
     if group == 1:
-        return new_order
+        return new_order, not is_identity(new_order, rows)
     if new_order.numel() % group:
-        return None
-    old_group = new_order.view(-1, group) // group  # (B' / g, g)
-    first = old_group[:, 0]
-    return first if bool((old_group == first[:, None]).all()) else None
+        return None, True  # not whole groups
+    old_group = new_order.view(-1, group) // group  # (B' / g, g): each new row's old group
+    kept = old_group[:, 0]
+    stays = (old_group == kept[:, None]).all()  # every row continues a row of its own group
+    if kept.numel() != rows:  # sentences finished: the stored rows change
+        return (kept if bool(stays) else None), True
+    in_order = (kept == torch.arange(rows, device=kept.device)).all()
+    stays, in_order = torch.stack((stays, in_order)).tolist()
+    return (kept if stays else None), not (stays and in_order)
 
 
 def repeats_rows(new_order: Tensor, group: int) -> bool:
@@ -75,27 +83,18 @@ def is_identity(index: Tensor, n: int) -> bool:
 class BeamReorder:
     """One reorder of beam search, shared by every cache of a step: row i of the new order
     continues the hypothesis of old row ``new_order[i]`` (rows may be dropped as sentences finish).
-    Whether rows stay in their groups, and whether any stored row moves, is worked out once per
-    step (per group size and row count), not once per cache: each answer reads a tensor back
-    from the device."""
+    ``plan_reorder`` is worked out once per step (per group size and row count), not once per
+    cache: each answer reads a tensor back from the device (on a GPU, a synchronisation)."""
 
     def __init__(self, new_order: Tensor):
         self.new_order = new_order
-        self._groups: Dict[int, Optional[Tensor]] = {}
-        self._moves: Dict[Tuple[int, int], bool] = {}
+        self._plans: Dict[Tuple[int, int], Tuple[Optional[Tensor], bool]] = {}
 
-    def groups(self, group: int) -> Optional[Tensor]:
-        """``kept_groups(new_order, group)``, computed once."""
-        if group not in self._groups:
-            self._groups[group] = kept_groups(self.new_order, group)
-        return self._groups[group]
-
-    def moves(self, group: int, rows: int) -> bool:
-        """Whether ``groups(group)`` changes ``rows`` stored rows (not all kept, in order)."""
-        if (group, rows) not in self._moves:
-            kept = self.groups(group)
-            self._moves[group, rows] = kept is None or not is_identity(kept, rows)
-        return self._moves[group, rows]
+    def plan(self, group: int, rows: int) -> Tuple[Optional[Tensor], bool]:
+        """``plan_reorder(new_order, group, rows)``, computed once."""
+        if (group, rows) not in self._plans:
+            self._plans[group, rows] = plan_reorder(self.new_order, group, rows)
+        return self._plans[group, rows]
 
 
 class KeyValueCache:
@@ -141,7 +140,7 @@ class SourceAttentionCache(KeyValueCache):
         self.group = group
         self.k: Optional[Tensor] = None  # (B / g, h, S, d_k)
         self.v: Optional[Tensor] = None
-        self.mask: Optional[Tensor] = None  # (B / g, 1, 1, S), True where a key may be attended
+        self.mask: Optional[Tensor] = None  # (B / g, 1, 1, S): 0 at keys to attend, -inf elsewhere
         self.rows_per_group: Optional[Tensor] = None  # g = 1: the stored row each row reads
 
     def is_empty(self) -> bool:
@@ -153,7 +152,11 @@ class SourceAttentionCache(KeyValueCache):
     def append(self, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> None:
         # contiguous once here, or every step's matrix product copies the permuted heads
         self.k, self.v = k.contiguous(), v.contiguous()
-        self.mask = None if mask is None else self.distinct_rows(mask)
+        if mask is not None:  # as 0 / -inf to add to the scores: converted once, not every step
+            mask = self.distinct_rows(mask)
+            mask = torch.zeros(mask.shape, dtype=k.dtype, device=k.device).masked_fill_(
+                ~mask, float("-inf"))
+        self.mask = mask
 
     def keys_values(self) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         return self.k, self.v, self.mask
@@ -161,11 +164,12 @@ class SourceAttentionCache(KeyValueCache):
     def reorder(self, reorder: BeamReorder) -> None:
         if self.k is None:
             return
-        if reorder.groups(self.group) is None:  # a row leaves its group: one row per hypothesis
+        kept, moves = reorder.plan(self.group, self.k.size(0))
+        if kept is None:  # a row leaves its group: one row per hypothesis
             self.ungroup()
-        if not reorder.moves(self.group, self.k.size(0)):
+            kept, moves = reorder.plan(1, self.k.size(0))
+        if not moves:
             return  # every row kept its sentence: nothing moves
-        kept = reorder.groups(self.group)
         self.k, self.v = self.k.index_select(0, kept), self.v.index_select(0, kept)
         if self.mask is not None:
             self.mask = self.mask.index_select(0, kept)
@@ -245,17 +249,18 @@ class SelfAttentionCache(KeyValueCache):
         """Within groups only the ancestry masks are gathered; otherwise rows are (lazily)."""
         if self.k is None:
             return
-        if reorder.groups(self.group) is None:  # a row continues another sentence's hypothesis
-            self.ungroup()
-        kept = reorder.groups(self.group)
-        if self.group == 1:
-            rows = self.k.size(0) if self.order is None else self.order.numel()
-            if reorder.moves(1, rows):
-                self.order = kept if self.order is None else self.order.index_select(0, kept)
-            return
-        if reorder.moves(self.group, self.k.size(0)):  # sentences finished
-            self.k, self.v = self.k.index_select(0, kept), self.v.index_select(0, kept)
-        self.ancestry = self.ancestry.index_select(0, reorder.new_order)
+        if self.group > 1:
+            kept, moves = reorder.plan(self.group, self.k.size(0))
+            if kept is not None:
+                if moves:  # sentences finished
+                    self.k, self.v = self.k.index_select(0, kept), self.v.index_select(0, kept)
+                self.ancestry = self.ancestry.index_select(0, reorder.new_order)
+                return
+            self.ungroup()  # a row continues another sentence's hypothesis
+        rows = self.k.size(0) if self.order is None else self.order.numel()
+        kept, moves = reorder.plan(1, rows)
+        if moves:
+            self.order = kept if self.order is None else self.order.index_select(0, kept)
 
     def rows(self) -> Tuple[Tensor, Tensor]:
         g, t = self.group, self.length

@@ -99,16 +99,25 @@ class EmbeddingLayer(nn.Module):
         """Longest sentence this layer can encode (no limit without positional encodings)."""
         return self.positional.max_positions if self.positional is not None else int(1e6)
 
+    def positions(self, tokens: Tensor) -> Tensor:
+        """Each token's position among its row's real tokens (``positions_of``), (B, L) -> (B, L);
+        a row with more real tokens than the positional encodings cover is an error."""
+        positions = positions_of(tokens, self.embeddings.lut.padding_idx)
+        limit = self.max_positions
+        # a row of L tokens has positions below L: only a longer row can exceed the limit, and
+        # only then is the device read (decoding asks for positions at every step)
+        if tokens.size(1) > limit and positions.numel() and int(positions.max()) >= limit:
+            flag = "--max-source-positions" if self.side == "source" else "--max-target-positions"
+            raise PluginError(
+                f"a {self.side} sentence has {int(positions.max()) + 1} tokens but this model "
+                f"allows at most {limit} ({flag}); shorten or split the sentence, or skip such "
+                f"inputs with --skip-invalid-size-inputs-valid-test")
+        return positions
+
     def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """tokens, positions (B, L) -> (B, L, d_model)."""
         x = self.embeddings(tokens)
         if self.positional is not None:
-            if positions.numel() and int(positions.max()) >= self.positional.max_positions:
-                flag = "--max-source-positions" if self.side == "source" else "--max-target-positions"
-                raise PluginError(
-                    f"a {self.side} sentence has {int(positions.max()) + 1} tokens but this model "
-                    f"allows at most {self.positional.max_positions} ({flag}); shorten or split "
-                    f"the sentence, or skip such inputs with --skip-invalid-size-inputs-valid-test")
             x = x + self.positional(positions, x.dtype)
         return self.dropout(x)
 
