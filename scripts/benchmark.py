@@ -358,12 +358,7 @@ def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=3, dev
     model = models[0].eval().to(device=device.kind, dtype=dtype[device.precision])
 
     recomputing = without_cache(model)
-    d = task.source_dictionary
-    g = torch.Generator().manual_seed(0)
-    src = torch.randint(d.nspecial, len(d), (n_sentences, 24), generator=g)
-    src[:, -1] = d.eos()
-    sample = {"net_input": {"src_tokens": src.to(device.kind),
-                            "src_lengths": torch.full((n_sentences,), 24, device=device.kind)}}
+    sample = random_sources(task.source_dictionary, n_sentences, device)
     attention = [m for m in model.modules() if isinstance(m, MultiHeadedAttention)]
     other_kernel = FUSED if device.kind == "cpu" else EXPLICIT
     rows = []
@@ -387,6 +382,46 @@ def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=3, dev
                 times[name] = min(runs)
             rows.append((beam, length, times["cached"], times["other kernel"], times["recomputed"]))
     return other_kernel, rows
+
+
+def random_sources(d, n_sentences, device, length=24):
+    """A batch of n random source sentences of ``length`` tokens (the last one EOS)."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(d.nspecial, len(d), (n_sentences, length), generator=g)
+    src[:, -1] = d.eos()
+    return {"net_input": {"src_tokens": src.to(device.kind),
+                          "src_lengths": torch.full((n_sentences,), length, device=device.kind)}}
+
+
+def step_operations(checkpoints, data_bin, length, n_sentences=20, device=CPU):
+    """Per decoder step of beam 5, as fairseq-generate runs it: the operations that launch work
+    and the reads to the host (fairseq_plugin.testing.operations). ``checkpoints``: {column:
+    (checkpoint, attention kernel to force or None)}; returns {column: {"launches", "reads"}}."""
+    import torch
+    from fairseq import checkpoint_utils
+    from fairseq.sequence_generator import SequenceGenerator
+
+    from fairseq_plugin.modules.attention import MultiHeadedAttention
+    from fairseq_plugin.testing.operations import counting_step_calls, per_step
+
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    counts = {}
+    for column, (checkpoint, kernel) in checkpoints.items():
+        models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+            [checkpoint], arg_overrides={"data": data_bin})
+        model = models[0].eval().to(device=device.kind, dtype=dtype[device.precision])
+        model.make_generation_fast_()  # as fairseq-generate: no attention weights
+        for module in model.modules():
+            if isinstance(module, MultiHeadedAttention):
+                module.kernel = kernel
+        gen = SequenceGenerator([model], task.target_dictionary, beam_size=5, min_len=length,
+                                max_len_a=0, max_len_b=length)
+        sample = random_sources(task.source_dictionary, n_sentences, device)
+        with torch.no_grad(), counting_step_calls(model) as calls:
+            gen.generate([model], sample)
+        counts[column] = per_step(calls)
+    return counts
 
 
 def ratio_row(label, name, ours, theirs):
@@ -448,6 +483,10 @@ def main(argv=None):
         p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
     if device.kind == "cuda" and not args.skip_ctranslate2:
         p.error("the CTranslate2 comparison runs on the CPU only: add --skip-ctranslate2")
+    if args.work_dir and os.path.isdir(args.work_dir) and os.listdir(args.work_dir):
+        p.error(f"--work-dir {args.work_dir} is not empty (fairseq-train would resume its "
+                "checkpoints); give a new or empty directory, and --data-bin DIR to reuse "
+                "prepared data")
     work = args.work_dir or tempfile.mkdtemp(prefix="benchmark-")
     os.makedirs(work, exist_ok=True)
     if args.data_bin:
@@ -534,6 +573,19 @@ def main(argv=None):
             name = "greedy" if beam == 1 else f"beam {beam}"
             print(f"| {name} | {length} | {cached:.3f} | {other:.3f} | {recomputed:.3f} | "
                   f"{recomputed / cached:.1f}x |")
+
+        # what sets the pace of small decoding steps on a GPU: launches and reads to the host
+        checkpoints = {name: os.path.join(work, f"{name}-round0", "checkpoint_last.pt")
+                       for name in (OURS, THEIRS)}
+        columns = {OURS: (checkpoints[OURS], None),
+                   f"{OURS}, {other_kernel} attention": (checkpoints[OURS], other_kernel),
+                   THEIRS: (checkpoints[THEIRS], None)}
+        ops = step_operations(columns, data_bin, args.gen_length, device=device)
+        print(f"\n| per beam-5 decoder step, 20 sentences, {args.gen_length} tokens, "
+              f"{device.kind} | {' | '.join(columns)} |\n|---|---|---|---|")
+        for key, label in (("launches", "operations that launch work"),
+                           ("reads", "reads back to the host")):
+            print(f"| {label} | {' | '.join(f'{ops[c][key]:.1f}' for c in columns)} |")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,11 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
     assert len(cache) == 2 and all(line.rstrip().endswith("x |") for line in cache)
     # cached, cached with the other attention kernel, recomputed: seconds
     assert all(float(c) > 0 for line in cache for c in line.strip("| \n").split("|")[2:5])
+    # per beam-5 step: launches and host reads of each model, counted
+    ops = {line.split("|")[1].strip(): [float(c) for c in line.strip("| \n").split("|")[1:]]
+           for line in out.splitlines()
+           if re.match(r"\| (operations that launch work|reads back to the host) \|", line)}
+    assert len(ops) == 2 and all(n > 0 for row in ops.values() for n in row), out[-2000:]
 
 
 def check_step_ratio(out, name):
@@ -76,3 +81,14 @@ def test_step_options_without_steps_in_process_are_one_error_line():
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1] == ("benchmark.py: error: --profile-steps and "
                                             "--without-packing go with --steps-in-process N")
+
+
+def test_a_work_dir_with_files_is_one_error_line_not_a_resumed_run(tmp_path):
+    (tmp_path / "annotated_transformer-round0").mkdir()
+    proc = subprocess.run([sys.executable, BENCHMARK, "--work-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        f"benchmark.py: error: --work-dir {tmp_path} is not empty (fairseq-train would resume "
+        "its checkpoints); give a new or empty directory, and --data-bin DIR to reuse prepared "
+        "data")
