@@ -146,13 +146,11 @@ def test_heads_must_divide_d_model():
         MultiHeadedAttention(3, 32)
 
 
-def test_kernel_choice_gives_each_reason_its_kernel():
-    assert choose_kernel(need_weights=True, decoding=False, device_type="cuda") == EXPLICIT
-    assert choose_kernel(need_weights=False, decoding=True, device_type="cpu") == EXPLICIT
-    assert choose_kernel(need_weights=False, decoding=True, device_type="cuda") == FUSED
-    assert choose_kernel(need_weights=False, decoding=False, device_type="cpu") == FUSED
-    assert choose_kernel(False, True, "cpu", forced=FUSED) == FUSED
-    assert choose_kernel(True, False, "cpu", forced=FUSED) == EXPLICIT  # weights need the formula
+def test_kernel_choice_is_fused_unless_the_weights_are_needed_or_a_kernel_is_forced():
+    assert choose_kernel(need_weights=False) == FUSED
+    assert choose_kernel(need_weights=True) == EXPLICIT
+    assert choose_kernel(False, forced=EXPLICIT) == EXPLICIT
+    assert choose_kernel(True, forced=FUSED) == EXPLICIT  # weights need the formula
 
 
 @pytest.mark.parametrize("causal", [False, True])

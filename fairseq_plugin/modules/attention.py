@@ -75,20 +75,13 @@ def explicit_attention(query, key, value, mask=None, dropout=None):
     return torch.matmul(p_used.to(value.dtype), value), p_attn
 
 
-def choose_kernel(need_weights: bool, decoding: bool, device_type: str,
-                  forced: Optional[str] = None) -> str:
+def choose_kernel(need_weights: bool, forced: Optional[str] = None) -> str:
     """The fused ``scaled_dot_product_attention`` unless a reason asks for the formula written out:
-    - only the written-out formula returns the weights (alignments, heat-maps);
-    - ``forced`` (a test choosing the branch another device would take);
-    - decoding on CPU: a step has a few queries per sentence, and for those the written-out
-      formula is faster than the fused CPU kernel (README, "Speed and memory")."""
+    only the written-out formula returns the weights (alignments, heat-maps); ``forced``: a test
+    or the benchmark choosing a kernel."""
     if need_weights:
         return EXPLICIT
-    if forced is not None:
-        return forced
-    if decoding and device_type == "cpu":
-        return EXPLICIT
-    return FUSED
+    return forced or FUSED
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
@@ -170,7 +163,7 @@ class MultiHeadedAttention(nn.Module):
             q = q.unflatten(0, (-1, cache.group)).transpose(1, 2).flatten(2, 3)
             causal = causal and T > 1  # one new step may see every cached one
         # 3) attend: softmax(Q K^T / sqrt(d_k)) V, fused or written out
-        kernel = choose_kernel(need_weights, cache is not None, query.device.type, self.kernel)
+        kernel = choose_kernel(need_weights, self.kernel)
         out, weights = attend(q, k, v, mask, causal, self.dropout, kernel)
         # 4) "concatenated and once again projected": (B / g, h, g * T, d_k) -> (B, T, d_model)
         out = out.unflatten(2, (-1, T)).permute(0, 2, 3, 1, 4).reshape(B, T, self.h * self.d_k)

@@ -51,19 +51,19 @@ def plan_reorder(new_order: Tensor, group: int, rows: int) -> Tuple[Optional[Ten
     - kept: when every row of the new order continues a row of its own group, the old group each
       new group comes from, (B' / group,) (with group 1: ``new_order`` itself); otherwise None;
     - moves: whether the stored rows change (kept is None, or it does not keep them all, in order).
-    Both answers come from one read of the device."""
+    Beam search's usual step (hypotheses reordered within their sentences, none finished) is
+    answered with one read from the device."""
     if group == 1:
         return new_order, not is_identity(new_order, rows)
     if new_order.numel() % group:
         return None, True  # not whole groups
     old_group = new_order.view(-1, group) // group  # (B' / g, g): each new row's old group
     kept = old_group[:, 0]
-    stays = (old_group == kept[:, None]).all()  # every row continues a row of its own group
-    if kept.numel() != rows:  # sentences finished: the stored rows change
-        return (kept if bool(stays) else None), True
-    in_order = (kept == torch.arange(rows, device=kept.device)).all()
-    stays, in_order = torch.stack((stays, in_order)).tolist()
-    return (kept if stays else None), not (stays and in_order)
+    if kept.numel() == rows and bool(
+            (old_group == torch.arange(rows, device=kept.device)[:, None]).all()):
+        return kept, False  # every row stays in its group, and every group in its place
+    stays = bool((old_group == kept[:, None]).all())  # every row continues a row of its group
+    return (kept if stays else None), True
 
 
 def repeats_rows(new_order: Tensor, group: int) -> bool:
@@ -141,7 +141,6 @@ class SourceAttentionCache(KeyValueCache):
         self.k: Optional[Tensor] = None  # (B / g, h, S, d_k)
         self.v: Optional[Tensor] = None
         self.mask: Optional[Tensor] = None  # (B / g, 1, 1, S): 0 at keys to attend, -inf elsewhere
-        self.rows_per_group: Optional[Tensor] = None  # g = 1: the stored row each row reads
 
     def is_empty(self) -> bool:
         return self.k is None

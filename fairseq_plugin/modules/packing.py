@@ -65,7 +65,7 @@ class Packing:
         else:
             (q,) = attn.split_heads(self.unpack(attn.q_proj(rows)), 1)
             k, v = attn.split_heads(attn.kv_proj(memory), 2)
-        kernel = choose_kernel(False, False, rows.device.type, attn.kernel)
+        kernel = choose_kernel(False, attn.kernel)
         out, _ = attend(q, k, v, mask, causal, attn.dropout, kernel)
         return attn.out_proj(self.pack(out.transpose(1, 2).reshape(B, L, -1)))
 

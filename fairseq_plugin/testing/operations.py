@@ -3,8 +3,8 @@ and those that read a value back to the host. On a GPU each launch costs the hos
 microseconds whatever its size, and each read waits until the device has finished everything
 queued before it; when steps are small, these counts rather than the arithmetic set the pace.
 
-Counted with a ``TorchDispatchMode``, so they can be taken on the CPU: the model's operations are
-the same on every device except for the attention kernel (``attention.choose_kernel``).
+Counted with a ``TorchDispatchMode``, so they can be taken on the CPU: the model runs the same
+operations on every device (fused attention is one operation whichever kernel implements it).
 """
 
 import contextlib
