@@ -1,8 +1,9 @@
 """The device-dependent paths on a CUDA GPU (``make test-gpu``; skipped without CUDA).
 
-On CUDA the model takes branches the CPU suite only forces: the fused attention kernel in
-decoding steps and with dropout in training, ``F.dropout`` instead of the CPU mask, half-precision
-kernels. These tests run them for real, and the reverse task end to end in mixed precision.
+On CUDA the model takes branches the CPU suite does not run: the GPU's fused attention kernels
+(in decoding steps, and with dropout in training), ``F.dropout`` instead of the CPU mask,
+half-precision kernels. These tests run them for real, and the reverse task end to end in mixed
+precision.
 """
 
 import os
