@@ -7,7 +7,6 @@ from fairseq.sequence_generator import SequenceGenerator
 from conftest import build_tiny_model, make_dictionary, random_tokens
 from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, MultiHeadedAttention,
                                               explicit_attention)
-from fairseq_plugin.modules import cache as cache_module
 from fairseq_plugin.modules.cache import (BeamReorder, SelfAttentionCache, SourceAttentionCache,
                                           plan_reorder, repeats_rows)
 from fairseq_plugin.reference import greedy_decode
