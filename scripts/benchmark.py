@@ -341,22 +341,31 @@ def ctranslate2_worker(data_bin, checkpoint, length, max_tokens, work):
     print(json.dumps({"tps": tokens / seconds, "per_hyp": tokens / len(results)}))
 
 
-def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=5, device=CPU):
-    """annotated_transformer: seconds per decoding with the cache, with the cache and attention
-    written out (the model's choice, ``choose_kernel``, is the fused kernel), and without the
-    cache."""
+def decoding_model(checkpoint, data_bin, device=CPU):
+    """The checkpoint's model, on the device in its precision and set up as fairseq-generate sets
+    it up (no attention weights), and its task."""
     import torch
     from fairseq import checkpoint_utils
-    from fairseq.sequence_generator import SequenceGenerator
-
-    from fairseq_plugin.modules.attention import EXPLICIT, MultiHeadedAttention
-    from fairseq_plugin.testing.recomputing import without_cache
 
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
         [checkpoint], arg_overrides={"data": data_bin})
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     model = models[0].eval().to(device=device.kind, dtype=dtype[device.precision])
-    model.make_generation_fast_()  # as fairseq-generate: no attention weights
+    model.make_generation_fast_()
+    return model, task
+
+
+def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=5, device=CPU):
+    """annotated_transformer: seconds per decoding with the cache, with the cache and attention
+    written out (the model's choice, ``choose_kernel``, is the fused kernel), and without the
+    cache."""
+    import torch
+    from fairseq.sequence_generator import SequenceGenerator
+
+    from fairseq_plugin.modules.attention import EXPLICIT, MultiHeadedAttention
+    from fairseq_plugin.testing.recomputing import without_cache
+
+    model, task = decoding_model(checkpoint, data_bin, device)
     recomputing = without_cache(model)
     sample = random_sources(task.source_dictionary, n_sentences, device)
     attention = [m for m in model.modules() if isinstance(m, MultiHeadedAttention)]
@@ -402,19 +411,14 @@ def step_operations(checkpoints, data_bin, length, n_sentences=20, device=CPU):
     and the reads to the host (fairseq_plugin.testing.operations). ``checkpoints``: {column:
     (checkpoint, attention kernel to force or None)}; returns {column: {"launches", "reads"}}."""
     import torch
-    from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
 
     from fairseq_plugin.modules.attention import MultiHeadedAttention
     from fairseq_plugin.testing.operations import counting_step_calls, per_step
 
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     counts = {}
     for column, (checkpoint, kernel) in checkpoints.items():
-        models, _, task = checkpoint_utils.load_model_ensemble_and_task(
-            [checkpoint], arg_overrides={"data": data_bin})
-        model = models[0].eval().to(device=device.kind, dtype=dtype[device.precision])
-        model.make_generation_fast_()  # as fairseq-generate: no attention weights
+        model, task = decoding_model(checkpoint, data_bin, device)
         for module in model.modules():
             if isinstance(module, MultiHeadedAttention):
                 module.kernel = kernel
