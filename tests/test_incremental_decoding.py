@@ -1,5 +1,7 @@
 """The cache must change nothing: step-by-step decoding equals one full pass."""
 
+import statistics
+
 import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
@@ -7,8 +9,8 @@ from fairseq.sequence_generator import SequenceGenerator
 from conftest import build_tiny_model, make_dictionary, random_tokens
 from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, MultiHeadedAttention,
                                               explicit_attention)
-from fairseq_plugin.modules.cache import (BeamReorder, SelfAttentionCache, SourceAttentionCache,
-                                          plan_reorder, repeats_rows)
+from fairseq_plugin.modules.cache import (Ancestry, BeamReorder, SelfAttentionCache,
+                                          SourceAttentionCache, plan_reorder, repeats_rows)
 from fairseq_plugin.reference import greedy_decode
 from fairseq_plugin.testing.operations import OperationCounter, counting_step_calls
 from fairseq_plugin.testing.recomputing import cached_rows, without_cache
@@ -265,17 +267,72 @@ def test_alignments_of_cached_beam_search_equal_a_full_pass_with_source_keys_sti
             assert (attn.T - hypo["attention"]).abs().max() <= 1e-5
 
 
-def test_a_beam_step_reads_the_device_once_per_reorder_and_never_in_the_decoder():
-    """Each reorder (the decoder's caches, the encoder output) decides whether rows move with one
-    read, shared by every cache; the decoder's step itself reads nothing (the source mask comes
-    from the encoder, positions are checked against the limit from the row length)."""
+def test_a_beam_step_reads_the_device_once_shared_by_every_cache_and_the_encoder():
+    """Whether a reorder moves rows is decided with one read per step, shared by every cache and
+    by the encoder output (beam search hands both the same tensor); the decoder's step itself
+    reads nothing (the source mask comes from the encoder, positions are checked against the
+    limit from the row length)."""
     model = sharp_tiny_model()
     with counting_step_calls(model) as counts:
         beam_search_of_sharp_tiny_model(model)
-    reads = {name: {n_reads for _, n_reads in calls} for name, calls in counts.items()}
-    assert len(counts["forward"]) >= 5 and len(model.decoder.attentions()) == 4
-    assert reads == {"forward": {0}, "reorder_incremental_state_scripting": {1},  # 4 caches
-                     "reorder_encoder_out": {1}}
+    reads = {name: [n_reads for _, n_reads in calls] for name, calls in counts.items()}
+    assert len(reads["forward"]) >= 5 and len(model.decoder.attentions()) == 4
+    assert set(reads["forward"]) == {0}
+    assert set(reads["reorder_incremental_state_scripting"]) == {1}
+    # the encoder's first reorder is beam search's expansion (each sentence repeated), before
+    # any decoder step: one read; each later one follows the decoder's plan
+    assert reads["reorder_encoder_out"] == [1] + [0] * (len(reads["reorder_encoder_out"]) - 1)
+
+
+def test_the_beams_ancestry_is_one_for_all_layers_and_reordered_once_per_step():
+    """Every self-attention cache reads the same ancestry, given one step per decoder step: a
+    step's reorder launches as many operations with 3 layers as with 1."""
+    launches = {}
+    for layers in (1, 3):
+        model = build_tiny_model(make_dictionary(40), decoder_layers=layers)
+        with torch.no_grad():
+            model.decoder.generator.proj.weight.mul_(4.0)
+        with counting_step_calls(model) as counts:
+            beam_search_of_sharp_tiny_model(model)
+        steps = counts["reorder_incremental_state_scripting"]
+        launches[layers] = statistics.mode(n for n, _ in steps)  # a step where no beam ends
+    assert launches[1] == launches[3]
+    state = {}
+    model = sharp_tiny_model()
+    model.set_beam_size(2)
+    src, lengths = padded_sources(model.decoder.dictionary, [5, 3], left_pad=True)
+    with torch.no_grad():
+        encoder_out = model.encoder.reorder_encoder_out(model.encoder(src, lengths),
+                                                        torch.arange(2).repeat_interleave(2))
+        model.decoder(torch.full((4, 1), 2), encoder_out=encoder_out, incremental_state=state)
+    ancestries = [layer.self_attn.cache(state).ancestry for layer in model.decoder.layers]
+    assert ancestries[0] is not None and all(a is ancestries[0] for a in ancestries)
+    assert ancestries[0].steps == 1
+
+
+def test_reorders_share_plans_only_for_the_same_unchanged_tensor():
+    order = torch.tensor([1, 0, 2, 3])
+    first = BeamReorder(order).plan(2, 2)
+    assert BeamReorder(order).plan(2, 2) is first  # the encoder after the decoder
+    order.view(2, 2).add_(torch.tensor([[0, 2], [0, 0]]))  # changed in place: [1, 2, 2, 3]
+    kept, moves = BeamReorder(order).plan(2, 2)
+    assert kept is None and moves  # a row of the first sentence now continues the second's
+
+
+def test_beam_search_under_inference_mode_equals_no_grad():
+    """Tensors made under torch.inference_mode keep no version counter: reorders do not share
+    plans there, and the beams are the same."""
+    model = sharp_tiny_model()
+    d = model.decoder.dictionary
+    src, lengths = padded_sources(d, [6, 9, 4], left_pad=True)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
+    gen = SequenceGenerator([model], d, beam_size=4, max_len_b=10)
+    with torch.no_grad():
+        expected = gen.generate([model], sample)
+    with torch.inference_mode():
+        hypos = gen.generate([model], sample)
+    for hyps_a, hyps_b in zip(expected, hypos):
+        assert [h["tokens"].tolist() for h in hyps_a] == [h["tokens"].tolist() for h in hyps_b]
 
 
 def test_operation_counter_counts_launches_and_host_reads_but_not_views_or_host_tensors():
@@ -295,11 +352,14 @@ def naive_history_test_steps(group, steps, cross_group_at=None, shrink_at=None, 
     g = torch.Generator().manual_seed(seed)
     sentences, h, d_k = 3, 2, 4
     B = sentences * group
-    history = SelfAttentionCache(group)
+    ancestry = Ancestry(B, group, torch.float32, "cpu") if group > 1 else None
+    history = SelfAttentionCache(group, ancestry)
     ref_k = torch.zeros(B, h, 0, d_k)
     ref_v = torch.zeros(B, h, 0, d_k)
     for step in range(steps):
         k, v = torch.randn(B, h, 1, d_k, generator=g), torch.randn(B, h, 1, d_k, generator=g)
+        if ancestry is not None:  # as the decoder does
+            ancestry.add_step()
         history.append(k, v)
         ref_k, ref_v = torch.cat([ref_k, k], 2), torch.cat([ref_v, v], 2)
         n = B // group
@@ -310,7 +370,10 @@ def naive_history_test_steps(group, steps, cross_group_at=None, shrink_at=None, 
         if step == shrink_at and n > 1:  # the middle sentence finishes
             new_order = torch.cat([new_order[:group], new_order[2 * group:]])
             B -= group
-        history.reorder(BeamReorder(new_order))
+        reorder = BeamReorder(new_order)
+        history.reorder(reorder)
+        if ancestry is not None and not ancestry.reorder(reorder):
+            ancestry = None
         ref_k, ref_v = ref_k.index_select(0, new_order), ref_v.index_select(0, new_order)
     return history, ref_k, ref_v
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ..errors import PluginError
 from ..modules.attention import IncrementalState, MultiHeadedAttention
-from ..modules.cache import BeamReorder, plan_reorder, repeats_rows
+from ..modules.cache import Ancestry, BeamReorder, repeats_rows
 from ..modules.embeddings import (
     EmbeddingLayer,
     Embeddings,
@@ -119,7 +119,8 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         finish, their groups are dropped.
         """
         group = beam_group(encoder_out)
-        kept, moves = plan_reorder(new_order, group, encoder_out["encoder_out"][0].size(0) // group)
+        rows = encoder_out["encoder_out"][0].size(0) // group
+        kept, moves = BeamReorder(new_order).plan(group, rows)  # (shared with the decoder's)
         if not moves:
             return encoder_out
         reordered = {key: [t.index_select(0, new_order) for t in value]
@@ -205,8 +206,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         positions = self.embed.positions(prev_output_tokens)  # (B, T)
         if incremental_state is not None:  # only the newest token is new
             prev_output_tokens, positions = prev_output_tokens[:, -1:], positions[:, -1:]
-            if self.layers[0].self_attn.cache(incremental_state) is None:  # the first step
-                self.start_caches(incremental_state, beam_group(encoder_out))
+            self.begin_step(incremental_state, encoder_out, prev_output_tokens.size(0))
 
         # masks, True where a query may attend: the source's real tokens; target padding only
         # where it stands before real tokens (left padding: the causal mask hides the rest)
@@ -253,19 +253,39 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
     def attentions(self) -> List[MultiHeadedAttention]:
         return [m for layer in self.layers for m in (layer.self_attn, layer.src_attn)]
 
-    def start_caches(self, incremental_state: IncrementalState, group: int) -> None:
-        """Empty caches for every attention module; ``group`` rows of one sentence (the beam)
-        share them when the encoder output holds its sentences in groups of copies."""
+    def begin_step(self, incremental_state: IncrementalState,
+                   encoder_out: Dict[str, List[Tensor]], rows: int) -> None:
+        """Before each decoding step of ``rows`` hypotheses: empty caches at the first, then the
+        new step in the beam's ancestry."""
+        if self.layers[0].self_attn.cache(incremental_state) is None:
+            self.start_caches(incremental_state, beam_group(encoder_out), rows)
+        ancestry = self.get_incremental_state(incremental_state, "ancestry")
+        if ancestry is not None:
+            ancestry.add_step()
+
+    def start_caches(self, incremental_state: IncrementalState, group: int, rows: int) -> None:
+        """Empty caches for every attention module. When the encoder output holds its sentences in
+        groups of ``group`` copies (the beam), each group shares storage, and the self-attention
+        caches share one ancestry of the hypotheses (modules/cache.py)."""
+        ancestry = None
+        if group > 1:
+            weight = self.embed.embeddings.lut.weight
+            ancestry = Ancestry(rows, group, weight.dtype, weight.device)
+            self.set_incremental_state(incremental_state, "ancestry", ancestry)
         for attention in self.attentions():
-            attention.start_cache(incremental_state, group)
+            attention.start_cache(incremental_state, group, ancestry)
 
     def reorder_incremental_state_scripting(self, incremental_state: IncrementalState,
                                             new_order: Tensor) -> None:
         """Beam search's reorder, once per step: worked out once (BeamReorder), then followed by
-        every cache. (Replaces fairseq's walk over every submodule.)"""
+        every cache, then by the ancestry (a cache that leaves its groups reads the old one).
+        (Replaces fairseq's walk over every submodule.)"""
         reorder = BeamReorder(new_order)
         for attention in self.attentions():
             attention.reorder_cache(incremental_state, reorder)
+        ancestry = self.get_incremental_state(incremental_state, "ancestry")
+        if ancestry is not None and not ancestry.reorder(reorder):
+            self.set_incremental_state(incremental_state, "ancestry", None)  # no groups any more
 
 
 def _option(default, help):

@@ -23,7 +23,8 @@ from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor, nn
 
 from ..errors import PluginError
-from .cache import BeamReorder, KeyValueCache, SelfAttentionCache, SourceAttentionCache
+from .cache import (Ancestry, BeamReorder, KeyValueCache, SelfAttentionCache,
+                    SourceAttentionCache)
 
 # Since torch 2.5, scaled_dot_product_attention returns zeros for a query whose boolean mask allows
 # no key (a left-padded target's padding); older versions return NaN there, in the output and in
@@ -177,9 +178,14 @@ class MultiHeadedAttention(nn.Module):
             return None
         return self.get_incremental_state(incremental_state, "cache")
 
-    def start_cache(self, incremental_state: IncrementalState, group: int) -> None:
-        """An empty cache; ``group`` rows of one sentence share it (1: one row each)."""
-        cache = SelfAttentionCache(group) if self.self_attention else SourceAttentionCache(group)
+    def start_cache(self, incremental_state: IncrementalState, group: int,
+                    ancestry: Optional[Ancestry] = None) -> None:
+        """An empty cache; ``group`` rows of one sentence share it (1: one row each), and a
+        self-attention cache the decoder's ``ancestry`` of those rows."""
+        if self.self_attention:
+            cache = SelfAttentionCache(group, ancestry)
+        else:
+            cache = SourceAttentionCache(group)
         self.set_incremental_state(incremental_state, "cache", cache)
 
     def reorder_cache(self, incremental_state: IncrementalState, reorder: BeamReorder) -> None:

@@ -28,10 +28,12 @@ their keys together ("grouped"):
   mask is what tree attention uses to decode several continuations of one prefix at once, e.g.
   SpecInfer, Miao et al. 2023.)
 
-The g queries of a group then attend together, as one (g, S) block. Whether a reorder keeps every
-row in its sentence's group is decided once per reorder (``BeamReorder``); when it does not (a
-hypothesis continues another sentence's row, a batch that was never grouped), the caches fall
-back to one row per hypothesis (g = 1) and gather rows.
+The g queries of a group then attend together, as one (g, S) block. A row's ancestry is the same in
+every layer: the decoder keeps one (``Ancestry``), adds each step to it and reorders it, and its
+self-attention caches share it. Whether a reorder keeps every row in its sentence's group is
+decided once per reorder (``BeamReorder``); when it does not (a hypothesis continues another
+sentence's row, a batch that was never grouped), the caches fall back to one row per hypothesis
+(g = 1) and gather rows.
 
 Shapes: B rows (hypotheses), g rows per group, h heads, d_k head size, S source length,
 t steps cached, C capacity in steps.
@@ -84,17 +86,87 @@ class BeamReorder:
     """One reorder of beam search, shared by every cache of a step: row i of the new order
     continues the hypothesis of old row ``new_order[i]`` (rows may be dropped as sentences finish).
     ``plan_reorder`` is worked out once per step (per group size and row count), not once per
-    cache: each answer reads a tensor back from the device (on a GPU, a synchronisation)."""
+    cache: each answer reads a tensor back from the device (on a GPU, a synchronisation). Beam
+    search hands the decoder and then the encoder the same tensor: their reorders share the
+    answers too (``_shared_plans``)."""
 
     def __init__(self, new_order: Tensor):
         self.new_order = new_order
-        self._plans: Dict[Tuple[int, int], Tuple[Optional[Tensor], bool]] = {}
+        self._plans = _shared_plans(new_order)
 
     def plan(self, group: int, rows: int) -> Tuple[Optional[Tensor], bool]:
         """``plan_reorder(new_order, group, rows)``, computed once."""
         if (group, rows) not in self._plans:
             self._plans[group, rows] = plan_reorder(self.new_order, group, rows)
         return self._plans[group, rows]
+
+
+_latest_plans: Tuple[Optional[Tensor], int, dict] = (None, 0, {})  # new_order, version, plans
+
+
+def _shared_plans(new_order: Tensor) -> dict:
+    """The plans already worked out for this very tensor, unchanged since (its version counter),
+    else a new record. Tensors made under torch.inference_mode count no versions: not shared."""
+    global _latest_plans
+    tensor, version, plans = _latest_plans
+    if new_order.is_inference():
+        return {}
+    if tensor is not new_order or version != new_order._version:
+        plans = {}
+        _latest_plans = (new_order, new_order._version, plans)
+    return plans
+
+
+class Ancestry:
+    """Which of its group's keys each of the B rows descends from, in a grouped self-attention
+    cache: an additive mask (B, C * g), 0 at key s * g + r when the row's ancestor at step s was
+    the hypothesis in row r, -inf elsewhere. It is the same in every layer: the decoder keeps one
+    for all its self-attention caches, adds each step before the layers run and reorders it after
+    the caches (a cache leaving its groups reads the ancestry of the old order)."""
+
+    def __init__(self, rows: int, group: int, dtype: torch.dtype, device):
+        if group < 2 or rows % group:
+            raise ValueError(f"an ancestry is kept for groups of g > 1 rows, not {rows} rows "
+                             f"in groups of {group}")
+        self.group = group
+        self.steps = 0  # t
+        self.mask = torch.full((rows, MIN_CAPACITY * group), float("-inf"), dtype=dtype,
+                               device=device)
+
+    def add_step(self) -> None:
+        """Step t: each row's own new key is key t * g + (its row in the group)."""
+        B, g, t = self.mask.size(0), self.group, self.steps
+        if (t + 1) * g > self.mask.size(1):  # full: twice the steps
+            grown = self.mask.new_full((B, 2 * (t + 1) * g), float("-inf"))
+            grown[:, :t * g] = self.mask[:, :t * g]
+            self.mask = grown
+        step = self.mask.view(B // g, g, -1)[:, :, t * g:(t + 1) * g]  # (B / g, g, g)
+        step.diagonal(dim1=1, dim2=2).fill_(0.0)
+        self.steps = t + 1
+
+    def reorder(self, reorder: BeamReorder) -> bool:
+        """Row i takes the ancestry of old row ``new_order[i]``. False when a row leaves its
+        group: the caches then keep one history per row, and the ancestry is no longer used."""
+        kept, _ = reorder.plan(self.group, self.mask.size(0) // self.group)
+        if kept is None:
+            return False
+        self.mask = self.mask.index_select(0, reorder.new_order)
+        return True
+
+    def keys_mask(self, steps: int) -> Tensor:
+        """(B / g, 1, g, steps * g): the mask of the g queries of each group over its keys."""
+        B, g = self.mask.size(0), self.group
+        if steps != self.steps:
+            raise RuntimeError(f"a self-attention cache holds {steps} steps but the beam's "
+                               f"ancestry {self.steps}: add_step must run once per step")
+        return self.mask[:, :steps * g].view(B // g, 1, g, steps * g)
+
+    def key_of_rows(self, steps: int) -> Tensor:
+        """(B, steps): the index, within its group's keys, of each row's ancestor at each step
+        (where the ancestry has its only 0 among -inf)."""
+        B, g = self.mask.size(0), self.group
+        slot = self.mask[:, :steps * g].view(B, steps, g).argmax(-1)
+        return torch.arange(steps, device=slot.device) * g + slot
 
 
 class KeyValueCache:
@@ -190,17 +262,19 @@ class SourceAttentionCache(KeyValueCache):
 class SelfAttentionCache(KeyValueCache):
     """The keys and values (B, h, t, d_k) of the steps decoded so far, one step appended per call.
 
-    With g > 1 (grouped) the storage is (B / g, h, C * g, d_k) plus each row's ancestry mask
-    (B, C * g); with g = 1 it is (B, h, C, d_k), and a pending reorder is applied as one row
-    gather, into a spare buffer, before the next step is appended.
+    With g > 1 (grouped) the storage is (B / g, h, C * g, d_k), read under the beam's ancestry
+    (shared with the other layers); with g = 1 it is (B, h, C, d_k), and a pending reorder is
+    applied as one row gather, into a spare buffer, before the next step is appended.
     """
 
-    def __init__(self, group: int = 1):
+    def __init__(self, group: int = 1, ancestry: Optional[Ancestry] = None):
+        if group > 1 and (ancestry is None or ancestry.group != group):
+            raise ValueError(f"a cache of groups of {group} rows needs their ancestry")
         self.group = group
         self.length = 0  # t
         self.k: Optional[Tensor] = None
         self.v: Optional[Tensor] = None
-        self.ancestry: Optional[Tensor] = None  # g > 1: (B, C * g), 0 at own keys, -inf elsewhere
+        self.ancestry = ancestry if group > 1 else None  # g > 1
         self.order: Optional[Tensor] = None  # g = 1: the reorder still to apply
         self.spare: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None)  # g = 1
 
@@ -232,8 +306,6 @@ class SelfAttentionCache(KeyValueCache):
             B = k.size(0)
             self.k[:, :, t * g:(t + 1) * g] = k.squeeze(2).unflatten(0, (B // g, g)).transpose(1, 2)
             self.v[:, :, t * g:(t + 1) * g] = v.squeeze(2).unflatten(0, (B // g, g)).transpose(1, 2)
-            step = self.ancestry.view(B // g, g, -1)[:, :, t * g:(t + 1) * g]  # (B / g, g, g)
-            step.diagonal(dim1=1, dim2=2).fill_(0.0)  # each row attends to its own new key
         self.length = t + T
 
     def keys_values(self) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
@@ -241,11 +313,12 @@ class SelfAttentionCache(KeyValueCache):
         k, v = self.k[:, :, :t * g], self.v[:, :, :t * g]
         if g == 1:
             return k, v, None  # (append applied any pending reorder)
-        B = self.ancestry.size(0)  # the g queries of a group, each under its own ancestry
-        return k, v, self.ancestry[:, :t * g].view(B // g, 1, g, t * g)
+        # the g queries of a group, each under its own ancestry (in the keys' dtype under autocast)
+        return k, v, self.ancestry.keys_mask(t).to(k.dtype)
 
     def reorder(self, reorder: BeamReorder) -> None:
-        """Within groups only the ancestry masks are gathered; otherwise rows are (lazily)."""
+        """Within groups only the ancestry changes (the decoder reorders it, once for every layer);
+        otherwise rows are gathered (lazily)."""
         if self.k is None:
             return
         if self.group > 1:
@@ -253,7 +326,6 @@ class SelfAttentionCache(KeyValueCache):
             if kept is not None:
                 if moves:  # sentences finished
                     self.k, self.v = self.k.index_select(0, kept), self.v.index_select(0, kept)
-                self.ancestry = self.ancestry.index_select(0, reorder.new_order)
                 return
             self.ungroup()  # a row continues another sentence's hypothesis
         rows = self.k.size(0) if self.order is None else self.order.numel()
@@ -268,11 +340,9 @@ class SelfAttentionCache(KeyValueCache):
             if self.order is not None:
                 k, v = k.index_select(0, self.order), v.index_select(0, self.order)
             return k, v
-        B = self.ancestry.size(0)
-        # row i's ancestor at step s sits in slot argmax(ancestry) (the only 0 among -inf)
-        slot = self.ancestry[:, :t * g].view(B, t, g).argmax(-1)  # (B, t)
-        key = torch.arange(t, device=slot.device) * g + slot  # (B, t) index within the group
-        group = (torch.arange(B, device=slot.device) // g)[:, None].expand(B, t)
+        key = self.ancestry.key_of_rows(t)  # (B, t) index within the group's keys
+        B = key.size(0)
+        group = (torch.arange(B, device=key.device) // g)[:, None].expand(B, t)
         # advanced indices around a slice: (B, t, h, d_k) -> (B, h, t, d_k)
         return self.k[group, :, key].transpose(1, 2), self.v[group, :, key].transpose(1, 2)
 
@@ -292,16 +362,12 @@ class SelfAttentionCache(KeyValueCache):
         self.k = like.new_empty(B // g, h, capacity * g, d_k)
         self.v = like.new_empty(B // g, h, capacity * g, d_k)
         self.spare = (None, None)
-        if g > 1:
-            self.ancestry = like.new_full((B, capacity * g), float("-inf"))
 
     def _grow(self, capacity: int) -> None:
         used = self.length * self.group
-        k, v, ancestry = self.k, self.v, self.ancestry
+        k, v = self.k, self.v
         self._allocate(k, k.size(0) * self.group, capacity)
         self.k[:, :, :used], self.v[:, :, :used] = k[:, :, :used], v[:, :, :used]
-        if ancestry is not None:
-            self.ancestry[:, :used] = ancestry[:, :used]
 
     def _apply_order(self) -> None:
         """g = 1: gather the rows into the pending order, into a spare buffer that then becomes
