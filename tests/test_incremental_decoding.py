@@ -285,8 +285,9 @@ def test_a_beam_step_reads_the_device_once_shared_by_every_cache_and_the_encoder
 
 
 def test_the_beams_ancestry_is_one_for_all_layers_and_reordered_once_per_step():
-    """Every self-attention cache reads the same ancestry, given one step per decoder step: a
-    step's reorder launches as many operations with 3 layers as with 1."""
+    """Every self-attention cache reads the same ancestry, given one step per decoder step and
+    reordered with the hypotheses; a step's reorder launches as many operations with 3 layers as
+    with 1."""
     launches = {}
     for layers in (1, 3):
         model = build_tiny_model(make_dictionary(40), decoder_layers=layers)
@@ -306,8 +307,40 @@ def test_the_beams_ancestry_is_one_for_all_layers_and_reordered_once_per_step():
                                                         torch.arange(2).repeat_interleave(2))
         model.decoder(torch.full((4, 1), 2), encoder_out=encoder_out, incremental_state=state)
     ancestries = [layer.self_attn.cache(state).ancestry for layer in model.decoder.layers]
-    assert ancestries[0] is not None and all(a is ancestries[0] for a in ancestries)
-    assert ancestries[0].steps == 1
+    ancestry = ancestries[0]
+    assert ancestry is not None and all(a is ancestry for a in ancestries)
+    assert ancestry.steps == 1
+    before, new_order = ancestry.mask.clone(), torch.tensor([1, 1, 3, 2])  # within the groups
+    model.decoder.reorder_incremental_state_scripting(state, new_order)
+    assert torch.equal(ancestry.mask, before.index_select(0, new_order))
+
+
+def test_steps_after_reorders_within_and_then_across_groups_equal_a_full_pass():
+    """Reorders within the beam's groups (one given twice between two steps), then a row taking
+    another sentence's hypothesis: the caches fall back to one row per hypothesis, the decoder
+    drops the ancestry, and each step's logits still equal a full pass over each row's prefix."""
+    d = make_dictionary()
+    model = build_tiny_model(d, decoder_layers=2)
+    model.set_beam_size(2)
+    src, lengths = padded_sources(d, [6, 4], left_pad=True)
+    sentence = torch.arange(2).repeat_interleave(2)  # each row's sentence
+    orders = [[[1, 1, 2, 3]], [[3, 2, 1, 0], [1, 0, 3, 2]], [[0, 1, 3, 3]], [[0, 2, 2, 3]],
+              [[1, 0, 3, 2]]]
+    with torch.no_grad():
+        encoder_out = model.encoder.reorder_encoder_out(model.encoder(src, lengths), sentence)
+        tokens, state, grouped = torch.full((4, 1), d.eos()), {}, []
+        for reorders in orders + [[]]:
+            step = model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)[0]
+            full = model.decoder(tokens, model.encoder(src[sentence], lengths[sentence]))[0]
+            assert (step[:, -1] - full[:, -1]).abs().max() <= 1e-5
+            grouped.append(model.decoder.get_incremental_state(state, "ancestry") is not None)
+            for order in map(torch.tensor, reorders):
+                model.decoder.reorder_incremental_state_scripting(state, order)
+                encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
+                tokens, sentence = tokens.index_select(0, order), sentence.index_select(0, order)
+            tokens = torch.cat([tokens, random_tokens(d, 4, 1)], 1)
+    assert grouped == [True, True, True, True, False, False]
+    assert {m.cache(state).group for m in model.decoder.attentions()} == {1}
 
 
 def test_reorders_share_plans_only_for_the_same_unchanged_tensor():

@@ -278,8 +278,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
     def reorder_incremental_state_scripting(self, incremental_state: IncrementalState,
                                             new_order: Tensor) -> None:
         """Beam search's reorder, once per step: worked out once (BeamReorder), then followed by
-        every cache, then by the ancestry (a cache that leaves its groups reads the old one).
-        (Replaces fairseq's walk over every submodule.)"""
+        every cache and by the beam's ancestry. (Replaces fairseq's walk over every submodule.)"""
         reorder = BeamReorder(new_order)
         for attention in self.attentions():
             attention.reorder_cache(incremental_state, reorder)

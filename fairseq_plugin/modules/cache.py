@@ -31,7 +31,8 @@ their keys together ("grouped"):
 The g queries of a group then attend together, as one (g, S) block. A row's ancestry is the same in
 every layer: the decoder keeps one (``Ancestry``), adds each step to it and reorders it, and its
 self-attention caches share it. Whether a reorder keeps every row in its sentence's group is
-decided once per reorder (``BeamReorder``); when it does not (a hypothesis continues another
+decided once per reorder tensor (``BeamReorder``), for every cache and for the encoder output,
+which beam search reorders with the same tensor; when it does not (a hypothesis continues another
 sentence's row, a batch that was never grouped), the caches fall back to one row per hypothesis
 (g = 1) and gather rows.
 
@@ -105,8 +106,10 @@ _latest_plans: Tuple[Optional[Tensor], int, dict] = (None, 0, {})  # new_order, 
 
 
 def _shared_plans(new_order: Tensor) -> dict:
-    """The plans already worked out for this very tensor, unchanged since (its version counter),
-    else a new record. Tensors made under torch.inference_mode count no versions: not shared."""
+    """The plans already worked out for this very tensor, unchanged since, else a new record.
+    "Unchanged" is what its version counter sees: in-place operations on it or on its views (as
+    fairseq's ``add_``), not writes through ``.data`` or ``.numpy()``. Tensors made under
+    torch.inference_mode count no versions: not shared."""
     global _latest_plans
     tensor, version, plans = _latest_plans
     if new_order.is_inference():
@@ -121,8 +124,9 @@ class Ancestry:
     """Which of its group's keys each of the B rows descends from, in a grouped self-attention
     cache: an additive mask (B, C * g), 0 at key s * g + r when the row's ancestor at step s was
     the hypothesis in row r, -inf elsewhere. It is the same in every layer: the decoder keeps one
-    for all its self-attention caches, adds each step before the layers run and reorders it after
-    the caches (a cache leaving its groups reads the ancestry of the old order)."""
+    for all its self-attention caches, adds each step before the layers run and reorders it with
+    the caches. (A reorder that takes a row out of its group leaves it as it is: the caches then
+    read it once more, to fall back to one history per row.)"""
 
     def __init__(self, rows: int, group: int, dtype: torch.dtype, device):
         if group < 2 or rows % group:
@@ -153,18 +157,24 @@ class Ancestry:
         self.mask = self.mask.index_select(0, reorder.new_order)
         return True
 
-    def keys_mask(self, steps: int) -> Tensor:
-        """(B / g, 1, g, steps * g): the mask of the g queries of each group over its keys."""
+    def keys_mask(self, steps: int, dtype: torch.dtype) -> Tensor:
+        """(B / g, 1, g, steps * g): the mask of the g queries of each group over its keys, in
+        the keys' dtype (under autocast not the weights': converted once, then kept so)."""
         B, g = self.mask.size(0), self.group
         if steps != self.steps:
             raise RuntimeError(f"a self-attention cache holds {steps} steps but the beam's "
                                f"ancestry {self.steps}: add_step must run once per step")
+        if self.mask.dtype != dtype:
+            self.mask = self.mask.to(dtype)
         return self.mask[:, :steps * g].view(B // g, 1, g, steps * g)
 
     def key_of_rows(self, steps: int) -> Tensor:
         """(B, steps): the index, within its group's keys, of each row's ancestor at each step
         (where the ancestry has its only 0 among -inf)."""
         B, g = self.mask.size(0), self.group
+        if steps > self.steps:  # (the decoder adds a step before a cache ungroups in it)
+            raise RuntimeError(f"a self-attention cache holds {steps} steps but the beam's "
+                               f"ancestry {self.steps}: add_step must run once per step")
         slot = self.mask[:, :steps * g].view(B, steps, g).argmax(-1)
         return torch.arange(steps, device=slot.device) * g + slot
 
@@ -285,8 +295,9 @@ class SelfAttentionCache(KeyValueCache):
         return x  # every hypothesis has its own new key
 
     def append(self, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> None:
-        """k, v (B, h, T, d_k), one row per hypothesis in the current order. Incremental decoding
-        attends to every earlier step, so there is no mask to keep."""
+        """k, v (B, h, T, d_k), one row per hypothesis in the current order (grouped: the step
+        already added to the ancestry). Incremental decoding attends to every earlier step, so
+        there is no mask to keep."""
         if mask is not None:
             raise ValueError("the self-attention cache keeps no key mask: every earlier step "
                              "is visible to the next one")
@@ -313,8 +324,7 @@ class SelfAttentionCache(KeyValueCache):
         k, v = self.k[:, :, :t * g], self.v[:, :, :t * g]
         if g == 1:
             return k, v, None  # (append applied any pending reorder)
-        # the g queries of a group, each under its own ancestry (in the keys' dtype under autocast)
-        return k, v, self.ancestry.keys_mask(t).to(k.dtype)
+        return k, v, self.ancestry.keys_mask(t, k.dtype)  # each of a group's g queries its own
 
     def reorder(self, reorder: BeamReorder) -> None:
         """Within groups only the ancestry changes (the decoder reorders it, once for every layer);
