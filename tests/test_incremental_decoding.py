@@ -343,6 +343,32 @@ def test_steps_after_reorders_within_and_then_across_groups_equal_a_full_pass():
     assert {m.cache(state).group for m in model.decoder.attentions()} == {1}
 
 
+def test_masks_handed_to_attention_in_beam_search_have_aligned_rows(monkeypatch):
+    """On a GPU, torch's memory-efficient attention kernel copies a mask whose rows are not a
+    multiple of 8 elements apart, at every call: the caches keep theirs aligned, for a source of
+    odd length and for the ancestry past its first capacity (beam 5, 40 steps)."""
+    import fairseq_plugin.modules.attention as attention_module
+
+    strides = []
+
+    def recording_attend(q, k, v, mask, *args, **kwargs):
+        if mask is not None and mask.dtype != torch.bool:
+            strides.append(mask.stride())
+        return attend(q, k, v, mask, *args, **kwargs)
+
+    attend = attention_module.attend
+    monkeypatch.setattr(attention_module, "attend", recording_attend)
+    model = sharp_tiny_model()
+    d = model.decoder.dictionary
+    src, lengths = padded_sources(d, [5, 3], left_pad=True)  # S = 5
+    gen = SequenceGenerator([model], d, beam_size=5, min_len=40, max_len_a=0, max_len_b=40)
+    with torch.no_grad():
+        gen.generate([model], {"net_input": {"src_tokens": src, "src_lengths": lengths}})
+    assert len(strides) >= 2 * 2 * 40  # 2 layers x (self, source) x 40 steps
+    misaligned = {st for st in strides if st[-1] != 1 or any(x % 8 for x in st[:-1])}
+    assert misaligned == set()
+
+
 def test_reorders_share_plans_only_for_the_same_unchanged_tensor():
     order = torch.tensor([1, 0, 2, 3])
     first = BeamReorder(order).plan(2, 2)

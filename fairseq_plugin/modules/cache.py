@@ -46,6 +46,14 @@ import torch
 from torch import Tensor
 
 MIN_CAPACITY = 32  # self-attention steps allocated at first; doubled when full
+# the masks handed to attention keep their rows a multiple of this many elements apart: on a GPU,
+# torch's memory-efficient attention kernel copies (pads) a mask whose rows are not, at every call
+MASK_ALIGNMENT = 8
+
+
+def aligned(n: int) -> int:
+    """n rounded up to a multiple of MASK_ALIGNMENT."""
+    return -(-n // MASK_ALIGNMENT) * MASK_ALIGNMENT
 
 
 def plan_reorder(new_order: Tensor, group: int, rows: int) -> Tuple[Optional[Tensor], bool]:
@@ -134,14 +142,14 @@ class Ancestry:
                              f"in groups of {group}")
         self.group = group
         self.steps = 0  # t
-        self.mask = torch.full((rows, MIN_CAPACITY * group), float("-inf"), dtype=dtype,
+        self.mask = torch.full((rows, aligned(MIN_CAPACITY * group)), float("-inf"), dtype=dtype,
                                device=device)
 
     def add_step(self) -> None:
         """Step t: each row's own new key is key t * g + (its row in the group)."""
         B, g, t = self.mask.size(0), self.group, self.steps
         if (t + 1) * g > self.mask.size(1):  # full: twice the steps
-            grown = self.mask.new_full((B, 2 * (t + 1) * g), float("-inf"))
+            grown = self.mask.new_full((B, aligned(2 * (t + 1) * g)), float("-inf"))
             grown[:, :t * g] = self.mask[:, :t * g]
             self.mask = grown
         step = self.mask.view(B // g, g, -1)[:, :, t * g:(t + 1) * g]  # (B / g, g, g)
@@ -222,7 +230,8 @@ class SourceAttentionCache(KeyValueCache):
         self.group = group
         self.k: Optional[Tensor] = None  # (B / g, h, S, d_k)
         self.v: Optional[Tensor] = None
-        self.mask: Optional[Tensor] = None  # (B / g, 1, 1, S): 0 at keys to attend, -inf elsewhere
+        # (B / g, 1, 1, S'), S' = aligned(S): 0 at keys to attend, -inf elsewhere (and beyond S)
+        self.mask: Optional[Tensor] = None
 
     def is_empty(self) -> bool:
         return self.k is None
@@ -234,13 +243,16 @@ class SourceAttentionCache(KeyValueCache):
         # contiguous once here, or every step's matrix product copies the permuted heads
         self.k, self.v = k.contiguous(), v.contiguous()
         if mask is not None:  # as 0 / -inf to add to the scores: converted once, not every step
-            mask = self.distinct_rows(mask)
-            mask = torch.zeros(mask.shape, dtype=k.dtype, device=k.device).masked_fill_(
-                ~mask, float("-inf"))
+            real = self.distinct_rows(mask)  # (B / g, 1, 1, S), True at real tokens
+            S = real.size(-1)
+            mask = torch.full((*real.shape[:-1], aligned(S)), float("-inf"), dtype=k.dtype,
+                              device=k.device)
+            mask[..., :S].masked_fill_(real, 0.0)
         self.mask = mask
 
     def keys_values(self) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        return self.k, self.v, self.mask
+        mask = None if self.mask is None else self.mask[..., :self.k.size(2)]
+        return self.k, self.v, mask
 
     def reorder(self, reorder: BeamReorder) -> None:
         if self.k is None:
