@@ -253,35 +253,109 @@ def print_profiles(trainers, samples, device=CPU, rows=25):
     """torch.profiler on training steps of each trainer, alternated step by step as above: the
     operators with the most time (self time, summed over the steps: the CPU's, or on a GPU the
     GPU's) and the time and FLOPs of the matrix products (aten::mm, aten::addmm)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    on_gpu = device.kind == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    # operator -> [self seconds (GPU on a GPU, else CPU), calls, FLOPs, self CPU seconds]
     totals = {name: {} for name in trainers}
     for i, sample in enumerate(samples):
         for name in alternated(list(trainers), i):
-            with profile(activities=activities, with_flops=True) as prof:
+            with profile(activities=profiler_activities(device), with_flops=True) as prof:
                 trainers[name].train_step([sample])
-            for e in prof.key_averages():
-                if on_gpu and e.device_type != DeviceType.CPU:
-                    continue  # a kernel: its GPU time is already the launching operator's
-                kept = totals[name].setdefault(e.key, [0.0, 0, 0, 0.0])
-                kept[0] += (self_gpu_time(e) if on_gpu else e.self_cpu_time_total) / 1e6
-                kept[1] += e.count
-                kept[2] += e.flops
-                kept[3] += e.self_cpu_time_total / 1e6
-    where = "GPU" if on_gpu else "CPU"
+            add_profile(totals[name], prof, device)
     for name, ops in totals.items():
-        gemm = [ops.get(key, [0.0, 0, 0, 0.0]) for key in ("aten::mm", "aten::addmm")]
-        print(f"\n{name}, {len(samples)} steps profiled: "
-              f"{sum(t[0] for t in ops.values()):.1f} s of {where} time"
-              + (f" ({sum(t[3] for t in ops.values()):.1f} s of CPU time)" if on_gpu else "")
-              + f", matrix products {sum(t[0] for t in gemm):.1f} s, "
-              f"{sum(t[2] for t in gemm) / 1e9:,.1f} GFLOP")
-        for key, (seconds, calls, _, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:rows]:
-            print(f"  {seconds:8.3f} s {calls:7d} calls  {key}")
+        print_profile(f"{name}, {len(samples)} steps profiled", ops, device, rows)
+
+
+def profiler_activities(device):
+    from torch.profiler import ProfilerActivity
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.kind == "cuda" else [])
+
+
+def add_profile(ops, prof, device=CPU):
+    """Add a profile's operators to ``ops``: {operator: [self seconds (the GPU's on a GPU, else
+    the CPU's), calls, FLOPs, self CPU seconds, CPU seconds with what it calls]}."""
+    from torch.autograd import DeviceType
+
+    on_gpu = device.kind == "cuda"
+    for e in prof.key_averages():
+        if on_gpu and e.device_type != DeviceType.CPU:
+            continue  # a kernel: its GPU time is already the launching operator's
+        kept = ops.setdefault(e.key, [0.0, 0, 0, 0.0, 0.0])
+        kept[0] += (self_gpu_time(e) if on_gpu else e.self_cpu_time_total) / 1e6
+        kept[1] += e.count
+        kept[2] += e.flops or 0
+        kept[3] += e.self_cpu_time_total / 1e6
+        kept[4] += e.cpu_time_total / 1e6
+
+
+def print_profile(title, ops, device=CPU, rows=25):
+    """The operators of ``add_profile`` with the most self time, and the matrix products."""
+    on_gpu = device.kind == "cuda"
+    gemm = [ops.get(key, [0.0] * 5) for key in ("aten::mm", "aten::addmm")]
+    print(f"\n{title}: {sum(t[0] for t in ops.values()):.2f} s of {'GPU' if on_gpu else 'CPU'} "
+          "time" + (f" ({sum(t[3] for t in ops.values()):.2f} s of CPU time)" if on_gpu else "")
+          + f", matrix products {sum(t[0] for t in gemm):.2f} s, "
+          f"{sum(t[2] for t in gemm) / 1e9:,.1f} GFLOP")
+    for key, (seconds, calls, *_) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:rows]:
+        print(f"  {seconds:8.3f} s {calls:7d} calls  {key}")
+
+
+def decoding_in_process(checkpoints, data_bin, length, n_sentences=100, rounds=3, device=CPU,
+                        rows=15):
+    """Beam 5 of the same sources by each model in this process, as fairseq-generate runs it
+    (SequenceGenerator), alternated over ``rounds``: seconds per decoding and the part spent in
+    the model's per-step calls (decoder step, reorders: on a GPU, the host queuing their work and
+    waiting at their reads); the rest is the encoder's and SequenceGenerator's. Then torch.profiler's operators of
+    one more decoding of each. ``checkpoints``: {name: checkpoint}; returns {name: (seconds,
+    seconds in the model's calls)}, medians."""
+    import contextlib
+
+    import torch
+    from fairseq.sequence_generator import SequenceGenerator
+    from torch.profiler import profile, record_function
+
+    from fairseq_plugin.testing.operations import STEP_CALLS, around_step_calls
+
+    setups = {}
+    for name, checkpoint in checkpoints.items():
+        model, task = decoding_model(checkpoint, data_bin, device)
+        gen = SequenceGenerator([model], task.target_dictionary, beam_size=5, min_len=length,
+                                max_len_a=0, max_len_b=length)
+        setups[name] = (model, gen, random_sources(task.source_dictionary, n_sentences, device))
+
+    def decode(name, around):
+        model, gen, sample = setups[name]
+        with torch.no_grad(), around_step_calls(model, around):
+            gen.generate([model], sample)
+        if device.kind == "cuda":
+            torch.cuda.synchronize()
+
+    spent = {name: ([], []) for name in setups}  # (whole decoding, in the model's calls)
+    for r in range(1 + rounds):  # a warm-up round first
+        for name in alternated(list(setups), r):
+            in_model = []
+
+            @contextlib.contextmanager
+            def timed(_):
+                start = time.perf_counter()
+                yield
+                in_model.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            decode(name, timed)
+            if r:
+                spent[name][0].append(time.perf_counter() - start)
+                spent[name][1].append(sum(in_model))
+    for name in alternated(list(setups), rounds):
+        with profile(activities=profiler_activities(device)) as prof:
+            decode(name, lambda call: record_function(f"model.{call}"))  # rows of their own
+        ops = {}
+        add_profile(ops, prof, device)
+        calls = {call: ops.pop(f"model.{call}", [0.0] * 5)[4] for _, call in STEP_CALLS}
+        print_profile(f"{name}, beam 5, {n_sentences} sentences x {length} tokens, profiled",
+                      ops, device, rows)
+        print(f"  (CPU time in the model's calls: " + ", ".join(
+            f"{call} {seconds:.3f} s" for call, seconds in calls.items()) + ")")
+    return {name: (statistics.median(whole), statistics.median(model))
+            for name, (whole, model) in spent.items()}
 
 
 def self_gpu_time(event) -> float:
@@ -476,6 +550,10 @@ def main(argv=None):
     p.add_argument("--without-packing", action="store_true",
                    help="with --steps-in-process: also time annotated_transformer computing the "
                         "padding (packing off), alternated with the others")
+    p.add_argument("--decoding-in-process", action="store_true",
+                   help="beam 5 of both round-1 checkpoints in this process, alternated: the "
+                        "time in the model's per-step calls and in SequenceGenerator, and "
+                        "torch.profiler's operators of each")
     p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if (args.profile_steps or args.without_packing) and not args.steps_in_process:
@@ -594,6 +672,18 @@ def main(argv=None):
         for key, label in (("launches", "operations that launch work"),
                            ("reads", "reads back to the host")):
             print(f"| {label} | {' | '.join(f'{ops[c][key]:.1f}' for c in columns)} |")
+
+    if args.decoding_in_process:
+        checkpoints = {name: os.path.join(work, f"{name}-round0", "checkpoint_last.pt")
+                       for name in (OURS, THEIRS)}
+        spent = decoding_in_process(checkpoints, data_bin, args.gen_length, device=device)
+        print(f"\n| beam 5 in this process, 100 sentences x {args.gen_length} tokens, "
+              f"{device.kind}, medians of 3 alternated | decoding, s | in the model's per-step "
+              "calls, s | the rest (encoder, SequenceGenerator), s |\n|---|---|---|---|")
+        for name, (whole, in_model) in spent.items():
+            print(f"| {name} | {whole:.3f} | {in_model:.3f} | {whole - in_model:.3f} |")
+        print(f"{THEIRS} / {OURS}: {spent[THEIRS][0] / spent[OURS][0]:.2f}x in decoding, "
+              f"{spent[THEIRS][1] / spent[OURS][1]:.2f}x in the model's calls")
 
 
 if __name__ == "__main__":

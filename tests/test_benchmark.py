@@ -26,7 +26,8 @@ def benchmark(*args, work):
                     "needs fairseq-fixed")
 def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cache_table(tmp_path):
     out = benchmark("--rounds", "1", "--train-updates", "10", "--gen-length", "8",
-                    "--cache-lengths", "4", "--skip-ctranslate2", work=tmp_path)
+                    "--cache-lengths", "4", "--skip-ctranslate2", "--decoding-in-process",
+                    work=tmp_path)
     assert re.search(r"training batches: [\d.]+% source and [\d.]+% target positions are padding",
                      out)
     rows = {}
@@ -48,6 +49,18 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
            for line in out.splitlines()
            if re.match(r"\| (operations that launch work|reads back to the host) \|", line)}
     assert len(ops) == 2 and all(n > 0 for row in ops.values() for n in row), out[-2000:]
+    # beam 5 in this process: seconds in all and in the model's per-step calls, and the rest
+    spent = {cells[0]: [float(c) for c in cells[1:]] for cells in (
+        [c.strip() for c in line.strip("| \n").split("|")] for line in out.splitlines()
+        if re.match(r"\| (annotated_transformer|transformer) \| [\d.]+ \|", line))}
+    assert sorted(spent) == ["annotated_transformer", "transformer"], out[-2000:]
+    for whole, in_model, rest in spent.values():
+        assert 0 < in_model < whole and abs(whole - in_model - rest) <= 0.0015
+    profiled = re.findall(r"\n(annotated_transformer|transformer), beam 5, 100 sentences x 8 "
+                          r"tokens, profiled: [\d.]+ s of CPU time.*\n(?:  .*\n)+  \(CPU time "
+                          r"in the model's calls: forward ([\d.]+) s", out)
+    assert sorted(name for name, _ in profiled) == ["annotated_transformer", "transformer"]
+    assert all(float(seconds) > 0 for _, seconds in profiled)
 
 
 def check_step_ratio(out, name):

@@ -62,28 +62,41 @@ class OperationCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def counting_step_calls(model):
-    """While inside, each of the model's per-step calls (``STEP_CALLS``) is counted on its own:
-    yields {call name: [(launches, reads) of each call]}."""
-    counts: Dict[str, list] = {name: [] for _, name in STEP_CALLS}
-    on_host: List[torch.Tensor] = []  # made from Python values in one call, read in another
+def around_step_calls(model, around):
+    """While inside, each of the model's per-step calls (``STEP_CALLS``) runs inside the context
+    manager ``around(call name)``."""
     originals = []
     for part, name in STEP_CALLS:
         module = getattr(model, part)
         method = getattr(module, name)
 
-        def counted(*args, _method=method, _name=name, **kwargs):
-            with OperationCounter(on_host) as counter:
-                out = _method(*args, **kwargs)
-            counts[_name].append((counter.launches, counter.reads))
-            return out
+        def wrapped(*args, _method=method, _name=name, **kwargs):
+            with around(_name):
+                return _method(*args, **kwargs)
         originals.append((module, name))
-        setattr(module, name, counted)  # an instance attribute, over the class's method
+        setattr(module, name, wrapped)  # an instance attribute, over the class's method
     try:
-        yield counts
+        yield
     finally:
         for module, name in originals:
             delattr(module, name)
+
+
+@contextlib.contextmanager
+def counting_step_calls(model):
+    """While inside, each of the model's per-step calls (``STEP_CALLS``) is counted on its own:
+    yields {call name: [(launches, reads) of each call]}."""
+    counts: Dict[str, list] = {name: [] for _, name in STEP_CALLS}
+    on_host: List[torch.Tensor] = []  # made from Python values in one call, read in another
+
+    @contextlib.contextmanager
+    def counted(name):
+        with OperationCounter(on_host) as counter:
+            yield
+        counts[name].append((counter.launches, counter.reads))
+
+    with around_step_calls(model, counted):
+        yield counts
 
 
 def per_step(counts: Dict[str, list]) -> Dict[str, float]:
