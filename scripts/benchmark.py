@@ -30,6 +30,11 @@ this one process take the same N batches, alternated step by step (the machine's
 both alike); --profile-steps K adds torch.profiler's operators of K steps of each, alternated
 too, with the time and FLOPs of their matrix products.
 
+--decoding-in-process times beam 5 of both models' first checkpoints in this process on the same
+sources, alternated, split into the time inside the model's per-step calls (decoder step,
+reorders) and the rest (encoder, fairseq's SequenceGenerator), then prints torch.profiler's
+operators of one decoding of each: where a GPU's beam search spends its time.
+
 --device cuda runs fairseq on the GPU in --precision fp16 (default there) or bf16 or fp32, and
 reads peak memory from torch.cuda.max_memory_allocated (resident memory on the CPU); GPU steps
 are fast, so give it more --train-updates (e.g. 200) and a larger --max-tokens (e.g. 8192).
@@ -345,7 +350,7 @@ def decoding_in_process(checkpoints, data_bin, length, n_sentences=100, rounds=3
                 spent[name][0].append(time.perf_counter() - start)
                 spent[name][1].append(sum(in_model))
     for name in alternated(list(setups), rounds):
-        with profile(activities=profiler_activities(device)) as prof:
+        with profile(activities=profiler_activities(device), with_flops=True) as prof:
             decode(name, lambda call: record_function(f"model.{call}"))  # rows of their own
         ops = {}
         add_profile(ops, prof, device)
