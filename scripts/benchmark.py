@@ -309,9 +309,9 @@ def decoding_in_process(checkpoints, data_bin, length, n_sentences=100, rounds=3
     """Beam 5 of the same sources by each model in this process, as fairseq-generate runs it
     (SequenceGenerator), alternated over ``rounds``: seconds per decoding and the part spent in
     the model's per-step calls (decoder step, reorders: on a GPU, the host queuing their work and
-    waiting at their reads); the rest is the encoder's and SequenceGenerator's. Then torch.profiler's operators of
-    one more decoding of each. ``checkpoints``: {name: checkpoint}; returns {name: (seconds,
-    seconds in the model's calls)}, medians."""
+    waiting at their reads); the rest is the encoder's and SequenceGenerator's. Then
+    torch.profiler's operators of one more decoding of each. ``checkpoints``: {name:
+    checkpoint}; returns {name: (seconds, seconds in the model's calls)}, medians."""
     import contextlib
 
     import torch
@@ -357,7 +357,7 @@ def decoding_in_process(checkpoints, data_bin, length, n_sentences=100, rounds=3
         calls = {call: ops.pop(f"model.{call}", [0.0] * 5)[4] for _, call in STEP_CALLS}
         print_profile(f"{name}, beam 5, {n_sentences} sentences x {length} tokens, profiled",
                       ops, device, rows)
-        print(f"  (CPU time in the model's calls: " + ", ".join(
+        print("  (CPU time in the model's calls: " + ", ".join(
             f"{call} {seconds:.3f} s" for call, seconds in calls.items()) + ")")
     return {name: (statistics.median(whole), statistics.median(model))
             for name, (whole, model) in spent.items()}
@@ -556,7 +556,7 @@ def main(argv=None):
                    help="with --steps-in-process: also time annotated_transformer computing the "
                         "padding (packing off), alternated with the others")
     p.add_argument("--decoding-in-process", action="store_true",
-                   help="beam 5 of both round-1 checkpoints in this process, alternated: the "
+                   help="beam 5 of both first-round checkpoints in this process, alternated: the "
                         "time in the model's per-step calls and in SequenceGenerator, and "
                         "torch.profiler's operators of each")
     p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
