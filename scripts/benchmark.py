@@ -315,7 +315,6 @@ def decoding_in_process(checkpoints, data_bin, length, n_sentences=100, rounds=3
     import contextlib
 
     import torch
-    from fairseq.sequence_generator import SequenceGenerator
     from torch.profiler import profile, record_function
 
     from fairseq_plugin.testing.operations import STEP_CALLS, around_step_calls
@@ -323,8 +322,7 @@ def decoding_in_process(checkpoints, data_bin, length, n_sentences=100, rounds=3
     setups = {}
     for name, checkpoint in checkpoints.items():
         model, task = decoding_model(checkpoint, data_bin, device)
-        gen = SequenceGenerator([model], task.target_dictionary, beam_size=5, min_len=length,
-                                max_len_a=0, max_len_b=length)
+        gen = forced_length_generator(model, task, 5, length)
         setups[name] = (model, gen, random_sources(task.source_dictionary, n_sentences, device))
 
     def decode(name, around):
@@ -439,8 +437,6 @@ def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=5, dev
     written out (the model's choice, ``choose_kernel``, is the fused kernel), and without the
     cache."""
     import torch
-    from fairseq.sequence_generator import SequenceGenerator
-
     from fairseq_plugin.modules.attention import EXPLICIT, MultiHeadedAttention
     from fairseq_plugin.testing.recomputing import without_cache
 
@@ -460,8 +456,7 @@ def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=5, dev
                 for name, m, kernel in alternated(decoders, r):
                     for module in attention:
                         module.kernel = kernel
-                    gen = SequenceGenerator([m], task.target_dictionary, beam_size=beam,
-                                            min_len=length, max_len_a=0, max_len_b=length)
+                    gen = forced_length_generator(m, task, beam, length)
                     start = time.perf_counter()
                     with torch.no_grad():
                         gen.generate([m], sample)
@@ -473,6 +468,14 @@ def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=5, dev
             times = {name: statistics.median(seconds) for name, seconds in runs.items()}
             rows.append((beam, length, times["cached"], times["written out"], times["recomputed"]))
     return rows
+
+
+def forced_length_generator(model, task, beam, length):
+    """fairseq's SequenceGenerator with every hypothesis forced to ``length`` tokens, so that
+    every model does the same work (as generate_run forces fairseq-generate)."""
+    from fairseq.sequence_generator import SequenceGenerator
+    return SequenceGenerator([model], task.target_dictionary, beam_size=beam, min_len=length,
+                             max_len_a=0, max_len_b=length)
 
 
 def random_sources(d, n_sentences, device, length=24):
@@ -490,8 +493,6 @@ def step_operations(checkpoints, data_bin, length, n_sentences=20, device=CPU):
     and the reads to the host (fairseq_plugin.testing.operations). ``checkpoints``: {column:
     (checkpoint, attention kernel to force or None)}; returns {column: {"launches", "reads"}}."""
     import torch
-    from fairseq.sequence_generator import SequenceGenerator
-
     from fairseq_plugin.modules.attention import MultiHeadedAttention
     from fairseq_plugin.testing.operations import counting_step_calls, per_step
 
@@ -501,8 +502,7 @@ def step_operations(checkpoints, data_bin, length, n_sentences=20, device=CPU):
         for module in model.modules():
             if isinstance(module, MultiHeadedAttention):
                 module.kernel = kernel
-        gen = SequenceGenerator([model], task.target_dictionary, beam_size=5, min_len=length,
-                                max_len_a=0, max_len_b=length)
+        gen = forced_length_generator(model, task, 5, length)
         sample = random_sources(task.source_dictionary, n_sentences, device)
         with torch.no_grad(), counting_step_calls(model) as calls:
             gen.generate([model], sample)

@@ -169,9 +169,7 @@ class Ancestry:
         """(B / g, 1, g, steps * g): the mask of the g queries of each group over its keys, in
         the keys' dtype (under autocast not the weights': converted once, then kept so)."""
         B, g = self.mask.size(0), self.group
-        if steps != self.steps:
-            raise RuntimeError(f"a self-attention cache holds {steps} steps but the beam's "
-                               f"ancestry {self.steps}: add_step must run once per step")
+        self._check(steps, steps == self.steps)
         if self.mask.dtype != dtype:
             self.mask = self.mask.to(dtype)
         return self.mask[:, :steps * g].view(B // g, 1, g, steps * g)
@@ -180,11 +178,14 @@ class Ancestry:
         """(B, steps): the index, within its group's keys, of each row's ancestor at each step
         (where the ancestry has its only 0 among -inf)."""
         B, g = self.mask.size(0), self.group
-        if steps > self.steps:  # (the decoder adds a step before a cache ungroups in it)
-            raise RuntimeError(f"a self-attention cache holds {steps} steps but the beam's "
-                               f"ancestry {self.steps}: add_step must run once per step")
+        self._check(steps, steps <= self.steps)  # (a cache may ungroup after the step is added)
         slot = self.mask[:, :steps * g].view(B, steps, g).argmax(-1)
         return torch.arange(steps, device=slot.device) * g + slot
+
+    def _check(self, steps: int, consistent: bool) -> None:
+        if not consistent:
+            raise RuntimeError(f"a self-attention cache holds {steps} steps but the beam's "
+                               f"ancestry {self.steps}: add_step must run once per step")
 
 
 class KeyValueCache:
