@@ -34,12 +34,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(PIP)"
 
-# torch again whenever TORCH or TORCH_INDEX differ from the last install
+# torch again whenever TORCH or TORCH_INDEX differ from the last install. --no-cache-dir: a CUDA
+# build is 2.5 GB of wheels, which pip's cache would keep a second copy of (CI ran out of disk).
 $(VENV)/.torch: $(PY) FORCE
 	@if [ "$$(cat $@ 2>/dev/null)" != "$(TORCH) $(TORCH_INDEX)" ]; then \
-	  echo "$(PY) -m pip install $(foreach p,$(TORCH),'$(p)') $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))"; \
+	  echo "$(PY) -m pip install --no-cache-dir $(foreach p,$(TORCH),'$(p)') $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))"; \
 	  ! $(PY) -m pip show -q torch 2>/dev/null || $(PY) -m pip uninstall -y -q torch; \
-	  $(PY) -m pip install $(foreach p,$(TORCH),'$(p)') $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) && \
+	  $(PY) -m pip install --no-cache-dir $(foreach p,$(TORCH),'$(p)') $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) && \
 	  echo "$(TORCH) $(TORCH_INDEX)" > $@; fi
 
 $(VENV)/.deps: setup.py $(VENV)/.torch
