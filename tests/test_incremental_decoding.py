@@ -284,6 +284,24 @@ def test_a_beam_step_reads_the_device_once_shared_by_every_cache_and_the_encoder
     assert reads["reorder_encoder_out"] == [1] + [0] * (len(reads["reorder_encoder_out"]) - 1)
 
 
+@pytest.mark.parametrize("learned", [False, True], ids=["sinusoidal", "learned"])
+def test_a_decoding_step_adds_the_full_pass_positional_encoding_without_launching_a_lookup(
+        learned):
+    """A decoding step's new token stands at position T - 1 in every row: it gets the encoding a
+    full pass gives it, and the step launches only the sum (the table's row is a view)."""
+    d = make_dictionary()
+    embed = build_tiny_model(d, decoder_learned_pos=learned).decoder.embed
+    prefix = random_tokens(d, 3, 6)
+    with torch.no_grad():
+        full = embed(prefix, embed.positions(prefix))[:, -1:]
+        with OperationCounter() as step:
+            newest = embed(prefix[:, -1:], embed.step_position(prefix))
+        with OperationCounter() as without_positions:
+            embed.embeddings(prefix[:, -1:])
+    assert torch.equal(newest, full)
+    assert step.launches == without_positions.launches + 1
+
+
 def test_the_beams_ancestry_is_one_for_all_layers_and_reordered_once_per_step():
     """Every self-attention cache reads the same ancestry, given one step per decoder step and
     reordered with the hypotheses; a step's reorder launches as many operations with 3 layers as

@@ -111,6 +111,19 @@ def test_too_long_source_is_a_clear_error():
         model.encoder(random_tokens(d, 1, 9))
 
 
+def test_a_decoding_step_past_the_target_positions_is_a_clear_error():
+    d = make_dictionary()
+    model = build_tiny_model(d, max_target_positions=8)
+    src = random_tokens(d, 1, 4)
+    prefix = torch.cat([torch.full((1, 1), d.eos()), random_tokens(d, 1, 8)], dim=1)  # 9 tokens
+    state = {}
+    with torch.no_grad():
+        model.decoder(prefix[:, :8], model.encoder(src), incremental_state=state)  # 8: allowed
+        with pytest.raises(PluginError, match="target sentence has 9 tokens .* at most 8 "
+                                              r"\(--max-target-positions\)"):
+            model.decoder(prefix, model.encoder(src), incremental_state=state)
+
+
 def test_a_working_transformer_command_builds_and_trains_with_the_annotated_arch(tmp_path):
     """fairseq's IWSLT'14 example command, with only the --arch swapped: the same settings, and
     fairseq's task builds the model and criterion, which take a training step."""

@@ -203,18 +203,18 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
     def extract_features(self, prev_output_tokens, encoder_out, incremental_state=None,
                          alignment_layer=None, alignment_heads=None, **unused):
         """(B, T, d) features before the generator, and {"attn", "inner_states"}."""
-        positions = self.embed.positions(prev_output_tokens)  # (B, T)
-        if incremental_state is not None:  # only the newest token is new
-            prev_output_tokens, positions = prev_output_tokens[:, -1:], positions[:, -1:]
-            self.begin_step(incremental_state, encoder_out, prev_output_tokens.size(0))
-
         # masks, True where a query may attend: the source's real tokens; target padding only
         # where it stands before real tokens (left padding: the causal mask hides the rest)
         src_mask = source_mask(encoder_out)  # (B, 1, 1, S) or None
-        tgt_padding = prev_output_tokens.eq(self.padding_idx)  # (B, T)
-        left_padded = incremental_state is None and bool(  # one new token: nothing to hide
-            (tgt_padding[:, :-1] & ~tgt_padding[:, 1:]).any())
-        tgt_mask = ~tgt_padding[:, None, None, :] if left_padded else None
+        if incremental_state is None:
+            positions = self.embed.positions(prev_output_tokens)  # (B, T)
+            tgt_padding = prev_output_tokens.eq(self.padding_idx)  # (B, T)
+            left_padded = bool((tgt_padding[:, :-1] & ~tgt_padding[:, 1:]).any())
+            tgt_mask = ~tgt_padding[:, None, None, :] if left_padded else None
+        else:  # a decoding step: only the newest token is new, and it has nothing to hide
+            positions = self.embed.step_position(prev_output_tokens)  # one for all rows
+            prev_output_tokens, tgt_padding, tgt_mask = prev_output_tokens[:, -1:], None, None
+            self.begin_step(incremental_state, encoder_out, prev_output_tokens.size(0))
 
         memory = encoder_out["encoder_out"][0]  # (B, S, d_enc)
         want_attn = alignment_layer is not None or (self.need_attn and not self.training)
@@ -222,7 +222,8 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
             alignment_layer = len(self.layers) - 1
         x = self.embed(prev_output_tokens, positions)  # (B, T, d)
         # in training, position-wise work on real tokens only (modules/packing.py)
-        packing = real_positions(tgt_padding, self.skip_padding and self.training and not want_attn)
+        packing = real_positions(tgt_padding, self.skip_padding and self.training and not want_attn
+                                 and incremental_state is None)
         x = packing.pack(x)
         attn, inner_states = None, [x]
         for i, layer in enumerate(self.layers):

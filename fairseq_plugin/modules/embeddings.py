@@ -4,7 +4,7 @@ Shapes: B batch, L length, V vocabulary, d_model model dimension.
 """
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +63,11 @@ class SinusoidalPositionalEncoding(nn.Module):
             t = self._table = pe.to(device=device, dtype=dtype)
         return t
 
-    def forward(self, positions: Tensor, dtype=torch.float32) -> Tensor:  # (B, L) -> (B, L, d)
-        return F.embedding(positions, self.table(positions.device, dtype))
+    def forward(self, positions: Union[Tensor, int], dtype, device) -> Tensor:
+        """(B, L) positions -> (B, L, d); one position p for every row -> (d,), row p."""
+        if isinstance(positions, int):
+            return self.table(device, dtype)[positions]
+        return F.embedding(positions, self.table(device, dtype))
 
 
 class LearnedPositionalEncoding(nn.Module):
@@ -75,7 +78,10 @@ class LearnedPositionalEncoding(nn.Module):
         self.max_positions = max_positions
         self.embed = nn.Embedding(max_positions, d_model)
 
-    def forward(self, positions: Tensor, dtype=torch.float32) -> Tensor:
+    def forward(self, positions: Union[Tensor, int], dtype, device) -> Tensor:
+        """(B, L) positions -> (B, L, d); one position p for every row -> (d,), row p."""
+        if isinstance(positions, int):
+            return self.embed.weight[positions].to(dtype)
         return self.embed(positions).to(dtype)
 
 
@@ -103,22 +109,34 @@ class EmbeddingLayer(nn.Module):
         """Each token's position among its row's real tokens (``positions_of``), (B, L) -> (B, L);
         a row with more real tokens than the positional encodings cover is an error."""
         positions = positions_of(tokens, self.embeddings.lut.padding_idx)
-        limit = self.max_positions
         # a row of L tokens has positions below L: only a longer row can exceed the limit, and
-        # only then is the device read (decoding asks for positions at every step)
-        if tokens.size(1) > limit and positions.numel() and int(positions.max()) >= limit:
-            flag = "--max-source-positions" if self.side == "source" else "--max-target-positions"
-            raise PluginError(
-                f"a {self.side} sentence has {int(positions.max()) + 1} tokens but this model "
-                f"allows at most {limit} ({flag}); shorten or split the sentence, or skip such "
-                f"inputs with --skip-invalid-size-inputs-valid-test")
+        # only then is the device read
+        if tokens.size(1) > self.max_positions and positions.numel():
+            self._check_length(int(positions.max()) + 1)
         return positions
 
-    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        """tokens, positions (B, L) -> (B, L, d_model)."""
+    def step_position(self, prefix: Tensor) -> int:
+        """The position of a decoding step's new token, the last of ``prefix`` (B, T): T - 1 in
+        every row, as beam search's prefixes hold no padding (which the cached keys assume too).
+        One number instead of ``positions``: the step adds a row of the table and launches
+        nothing to find it."""
+        step = prefix.size(1) - 1
+        self._check_length(step + 1)
+        return step
+
+    def _check_length(self, tokens: int) -> None:
+        if tokens > self.max_positions:
+            flag = "--max-source-positions" if self.side == "source" else "--max-target-positions"
+            raise PluginError(
+                f"a {self.side} sentence has {tokens} tokens but this model allows at most "
+                f"{self.max_positions} ({flag}); shorten or split the sentence, or skip such "
+                f"inputs with --skip-invalid-size-inputs-valid-test")
+
+    def forward(self, tokens: Tensor, positions: Union[Tensor, int]) -> Tensor:
+        """tokens (B, L), positions (B, L) or one for all rows -> (B, L, d_model)."""
         x = self.embeddings(tokens)
         if self.positional is not None:
-            x = x + self.positional(positions, x.dtype)
+            x = x + self.positional(positions, x.dtype, x.device)
         return self.dropout(x)
 
 
