@@ -18,3 +18,4 @@ from .models.annotated_transformer import AnnotatedTransformerModel  # noqa: E40
 interactive.install()
 
 __version__ = "0.1.0"
+__all__ = ["AnnotatedTransformerModel", "PluginError", "__version__"]

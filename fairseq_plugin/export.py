@@ -131,7 +131,7 @@ def transformer_state_dict(ours: Dict[str, Tensor], args: Namespace, src_pad: in
                 table = m.take(learned)
             else:
                 table = SinusoidalPositionalEncoding(d, max_positions).table(
-                    torch.device("cpu"), ours[f"{side}.embed.embeddings.lut.weight"].dtype)
+                    ours[f"{side}.embed.embeddings.lut.weight"].dtype, torch.device("cpu"))
             # fairseq numbers the positions of real tokens from padding_idx + 1
             m.out[f"{side}.embed_positions.weight"] = torch.cat(
                 [table.new_zeros(pad + 1, d), table], dim=0)

@@ -9,6 +9,9 @@ things faster; the tests use these as the oracle it must agree with:
 - ``LabelSmoothing``: the smoothed target distribution and its KL divergence;
 - ``greedy_decode``: decoding one token at a time by re-running the decoder over the prefix.
 
+No dropout: the notebook's ``attention(..., dropout)`` and ``MultiHeadedAttention(..., dropout)``
+take one, but the tests compare in evaluation mode, where it does nothing.
+
 Shapes: B batch, T query length, S key length, h heads, d_k = d_model / h, V vocabulary.
 """
 

@@ -656,7 +656,7 @@ def main(argv=None):
         lengths = [int(x) for x in args.cache_lengths.split(",")]
         checkpoint = os.path.join(work, "annotated_transformer-round0", "checkpoint_last.pt")
         rows = cache_speedups(checkpoint, data_bin, lengths, device=device)
-        print(f"\n| annotated_transformer decoding 20 sentences | target tokens | cached, s | "
+        print("\n| annotated_transformer decoding 20 sentences | target tokens | cached, s | "
               "cached, written-out attention, s | recomputing the prefix, s | speed-up |")
         print("|---|---|---|---|---|---|")
         for beam, length, cached, other, recomputed in rows:

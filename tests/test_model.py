@@ -236,8 +236,8 @@ def test_gradients_of_a_padded_batch_are_the_sum_over_its_sentences():
 
 @pytest.mark.parametrize("left_pad_target", [False, True])
 def test_skipping_padding_changes_no_result(left_pad_target):
-    """Packing (feed-forward sub-layers on real tokens only) is pure speed: the same logits at
-    every real position and the same gradients as the plain model."""
+    """Packing (position-wise work on real tokens only, in training) is pure speed: the same
+    logits at every real position and the same gradients as the plain model."""
     d = make_dictionary()
     model = build_tiny_model(d, dropout=0.0).train()
     src = random_tokens(d, 4, 7)
@@ -259,6 +259,31 @@ def test_skipping_padding_changes_no_result(left_pad_target):
     assert torch.allclose(packed, plain, atol=1e-5)
     for a, b in zip(packed_grads, plain_grads):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_packed_training_runs_the_layers_own_forward():
+    """Skipping padding goes through the same modules' forward as the plain model: attention's
+    hooks see every call while the feed-forward sub-layers see only the real rows."""
+    from fairseq_plugin.modules.attention import recording_attention
+
+    d = make_dictionary()
+    model = build_tiny_model(d, dropout=0.0).train()
+    src = random_tokens(d, 4, 7)
+    src[1, :4] = d.pad()
+    tgt = random_tokens(d, 4, 6)
+    tgt[3, 2:] = d.pad()
+    rows_seen = []
+    for layer in (model.encoder.layers[0], model.decoder.layers[0]):
+        layer.feed_forward.register_forward_hook(
+            lambda _, args, out: rows_seen.append(tuple(args[0].shape[:-1])))
+    with recording_attention(model) as records:
+        model(src, src.ne(d.pad()).sum(1), tgt)
+    assert rows_seen == [(int(src.ne(d.pad()).sum()),), (int(tgt.ne(d.pad()).sum()),)]
+    assert len(records) == len(model.encoder.layers) + 2 * len(model.decoder.layers)
+    for name, calls in records.items():
+        T = 7 if name.startswith("encoder") else 6
+        S = 6 if "self_attn" in name and name.startswith("decoder") else 7
+        assert [w.shape for w in calls] == [(4, 4, T, S)], name
 
 
 def test_a_checkpoint_from_before_the_redesign_translates_identically():

@@ -16,7 +16,6 @@ We subclass fairseq's criterion for everything but the loss: the same flags
 import math
 from dataclasses import dataclass, field
 
-import torch
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,

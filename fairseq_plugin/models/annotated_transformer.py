@@ -41,7 +41,7 @@ from ..modules.embeddings import (
     SinusoidalPositionalEncoding,
 )
 from ..modules.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
-from ..modules.packing import real_positions
+from ..modules.packing import packing_for
 
 DEFAULT_MAX_POSITIONS = 1024
 
@@ -91,10 +91,10 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         x = self.embed(src_tokens, self.embed.positions(src_tokens))
         states = [x] if return_all_hiddens else []
         # in training, position-wise work on real tokens only (modules/packing.py)
-        packing = real_positions(padding_mask, self.skip_padding and self.training)
+        packing = packing_for(padding_mask, self.skip_padding and self.training)
         x = packing.pack(x)
         for layer in self.layers:
-            x = packing.encoder_layer(layer, x, mask)
+            x = layer(x, mask, packing)
             if return_all_hiddens:
                 states.append(packing.unpack(x))
         x = packing.unpack(x)
@@ -222,14 +222,12 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
             alignment_layer = len(self.layers) - 1
         x = self.embed(prev_output_tokens, positions)  # (B, T, d)
         # in training, position-wise work on real tokens only (modules/packing.py)
-        packing = real_positions(tgt_padding, self.skip_padding and self.training and not want_attn
-                                 and incremental_state is None)
+        packing = packing_for(tgt_padding, self.skip_padding and self.training and not want_attn)
         x = packing.pack(x)
         attn, inner_states = None, [x]
         for i, layer in enumerate(self.layers):
-            x, layer_attn = packing.decoder_layer(layer, x, memory, tgt_mask, src_mask,
-                                                  incremental_state,
-                                                  need_attn=want_attn and i == alignment_layer)
+            x, layer_attn = layer(x, memory, tgt_mask, src_mask, incremental_state,
+                                  need_attn=want_attn and i == alignment_layer, packing=packing)
             inner_states.append(x)
             if i == alignment_layer:
                 attn = layer_attn

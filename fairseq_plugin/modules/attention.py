@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from ..errors import PluginError
 from .cache import (Ancestry, BeamReorder, KeyValueCache, SelfAttentionCache,
                     SourceAttentionCache)
+from .packing import NO_PACKING, Rows
 
 # Since torch 2.5, scaled_dot_product_attention returns zeros for a query whose boolean mask allows
 # no key (a left-padded target's padding); older versions return NaN there, in the output and in
@@ -52,8 +53,11 @@ def causal_mask(query_len: int, key_len: int, device) -> Tensor:
     ``subsequent_mask``, which is the case S = T).
 
     "We ... modify the self-attention sub-layer in the decoder stack to prevent positions from
-    attending to subsequent positions." (section 3.1) The offset S - T counts earlier positions
-    whose keys were cached.
+    attending to subsequent positions. This masking, combined with fact that the output
+    embeddings are offset by one position, ensures that the predictions for position i can depend
+    only on the known outputs at positions less than i." (section 3.1; fairseq's offset:
+    ``prev_output_tokens`` is the target shifted right behind an end-of-sentence token.) The
+    offset S - T counts earlier positions whose keys were cached.
     """
     return torch.ones(query_len, key_len, dtype=torch.bool, device=device).tril(key_len - query_len)
 
@@ -107,7 +111,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool
 
 @with_incremental_state
 class MultiHeadedAttention(nn.Module):
-    """Multi-head attention over h heads of size d_k = d_model / h.
+    """Multi-head attention over h heads of size d_k = d_model / h ("In this work we employ h = 8
+    parallel attention layers, or heads. For each of these we use d_k = d_v = d_model / h = 64.").
 
     Self-attention projects Q, K and V from one input with one matrix, the concatenation
     [W^Q; W^K; W^V] (one matrix product instead of three, as nanoGPT's ``c_attn``). Encoder-decoder
@@ -128,8 +133,11 @@ class MultiHeadedAttention(nn.Module):
             self.q_proj = nn.Linear(d_model, d_model)  # W^Q
             self.kv_proj = nn.Linear(memory_dim or d_model, 2 * d_model)  # [W^K; W^V]
         self.out_proj = nn.Linear(d_model, d_model)  # W^O
-        self.dropout = nn.Dropout(dropout)  # on the attention probabilities
-        self.kernel: Optional[str] = None  # FUSED or EXPLICIT forces the kernel (tests)
+        # on the attention probabilities; the fused kernel takes its p and draws its own mask
+        # (so not the CPU mask of dropout.py, which would apply to the written-out kernel alone)
+        self.dropout = nn.Dropout(dropout)
+        # FUSED or EXPLICIT forces the kernel (tests, the benchmark); weights need EXPLICIT
+        self.kernel: Optional[str] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -142,35 +150,37 @@ class MultiHeadedAttention(nn.Module):
 
     def forward(self, query: Tensor, memory: Optional[Tensor] = None, mask: Optional[Tensor] = None,
                 causal: bool = False, incremental_state: Optional[IncrementalState] = None,
-                need_weights: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-        """query (B, T, d_model); memory (B, S, d_memory) for encoder-decoder attention, None for
-        self-attention; mask (B or 1, 1, T or 1, S), True where a query may attend; causal: hide
-        later positions (self-attention in training); incremental_state: fairseq's, holding this
-        module's cache while decoding. Returns (B, T, d_model) and, if need_weights, the weights
-        (B, h, T, S)."""
-        B, T, _ = query.shape
+                need_weights: bool = False, packing: Rows = NO_PACKING
+                ) -> Tuple[Tensor, Optional[Tensor]]:
+        """query (B, T, d_model), or its real rows (N, d_model) under a ``Packing`` (training);
+        memory (B, S, d_memory) for encoder-decoder attention, None for self-attention; mask
+        (B or 1, 1, T or 1, S), True where a query may attend; causal: each query sees no later
+        position (the decoder's self-attention); incremental_state: fairseq's, holding this
+        module's cache while decoding. Returns the output, shaped as the query, and, if
+        need_weights, the weights (B, h, T, S)."""
         cache = self.cache(incremental_state)
         if cache is not None and need_weights and self.self_attention:
             cache.ungroup()  # weights over each hypothesis's own history, not its group's
         # 1) "linearly project the queries, keys and values h times": (B, L, d_model) ->
         #    (B, h, L, d_k); no keys and values when the cache already holds the source's
-        q, k, v = self.project(query, memory, cache)
-        # 2) when decoding, keys and values come from the cache, which first keeps the new ones;
-        #    the g hypotheses of a sentence may share them: queries (B / g, h, g * T, d_k)
-        if cache is not None:
+        q, k, v = self.project(query, memory, cache, packing)
+        B, _, T, _ = q.shape
+        if cache is not None:  # (decoding) keys and values come from the cache, which first
+            # keeps the new ones; the g hypotheses of a sentence may share them: queries
+            # (B / g, h, g * T, d_k)
             if k is not None:
                 cache.append(k, v, mask)
             k, v, mask = cache.keys_values()
             q = q.unflatten(0, (-1, cache.group)).transpose(1, 2).flatten(2, 3)
             causal = causal and T > 1  # one new step may see every cached one
-        # 3) attend: softmax(Q K^T / sqrt(d_k)) V, fused or written out
+        # 2) attend: softmax(Q K^T / sqrt(d_k)) V, fused or written out
         kernel = choose_kernel(need_weights, self.kernel)
         out, weights = attend(q, k, v, mask, causal, self.dropout, kernel)
-        # 4) "concatenated and once again projected": (B / g, h, g * T, d_k) -> (B, T, d_model)
+        # 3) "concatenated and once again projected": (B / g, h, g * T, d_k) -> (B, T, d_model)
         out = out.unflatten(2, (-1, T)).permute(0, 2, 3, 1, 4).reshape(B, T, self.h * self.d_k)
         if weights is not None:  # (B, h, T, S)
             weights = weights.unflatten(2, (-1, T)).transpose(1, 2).flatten(0, 1)
-        return self.out_proj(out), weights
+        return self.out_proj(packing.pack(out)), weights
 
     def cache(self, incremental_state: Optional[IncrementalState]) -> Optional[KeyValueCache]:
         """This module's cache in fairseq's incremental_state (None when not decoding)."""
@@ -194,13 +204,14 @@ class MultiHeadedAttention(nn.Module):
         if cache is not None:
             cache.reorder(reorder)
 
-    def project(self, query: Tensor, memory: Optional[Tensor],
-                cache: Optional[KeyValueCache]) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    def project(self, query: Tensor, memory: Optional[Tensor], cache: Optional[KeyValueCache],
+                packing: Rows) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         """Q (B, h, T, d_k) and K, V (rows, h, S, d_k): one row per distinct row the cache keeps,
-        or None when the cache already has the source's."""
+        or None when the cache already has the source's. Packed query rows are projected as they
+        are, then unpacked to (B, T) for attention."""
         if self.self_attention:
-            return self.split_heads(self.qkv_proj(query), 3)
-        (q,) = self.split_heads(self.q_proj(query), 1)
+            return self.split_heads(packing.unpack(self.qkv_proj(query)), 3)
+        (q,) = self.split_heads(packing.unpack(self.q_proj(query)), 1)
         if cache is not None and not cache.is_empty():
             return q, None, None
         rows = memory if cache is None else cache.distinct_rows(memory)
@@ -216,8 +227,7 @@ class MultiHeadedAttention(nn.Module):
 @contextlib.contextmanager
 def recording_attention(model: nn.Module):
     """Keep the attention weights of every MultiHeadedAttention in ``model`` while inside:
-    yields {module name: [weights (B, h, T, S) of each call]}. For a model in evaluation mode
-    (in training, padded batches run the layers through packing.py, not ``forward``)."""
+    yields {module name: [weights (B, h, T, S) of each call]}."""
     records, handles = {}, []
     for name, m in model.named_modules():
         if isinstance(m, MultiHeadedAttention):

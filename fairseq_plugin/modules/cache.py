@@ -9,9 +9,10 @@ instead of recomputing them from the whole prefix. Two caches share one interfac
 - ``SourceAttentionCache`` (encoder-decoder attention): the encoder output's keys and values,
   projected once at the first step.
 
-The interface (``KeyValueCache``): ``append`` new keys and values, ``keys_values`` to attend to,
-``reorder`` to follow beam search, ``rows`` for each hypothesis's own keys and values, and
-``ungroup``. Attention asks its cache for keys and values and never looks at which kind it has.
+The interface (``KeyValueCache``): ``is_empty`` and ``distinct_rows`` (which new keys and values it
+needs), ``append`` them, ``keys_values`` to attend to, ``reorder`` to follow beam search, ``rows``
+for each hypothesis's own keys and values, and ``ungroup``. Attention asks its cache for keys and
+values the same way whichever kind it has (its own kind decides only which projections it runs).
 
 Beam search keeps g hypotheses per sentence (g = the beam size that fairseq's SequenceGenerator
 hands the model through ``set_beam_size``) in g consecutive rows, and after every step reorders
@@ -40,7 +41,7 @@ Shapes: B rows (hypotheses), g rows per group, h heads, d_k head size, S source 
 t steps cached, C capacity in steps.
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -283,7 +284,8 @@ class SourceAttentionCache(KeyValueCache):
 
 
 class SelfAttentionCache(KeyValueCache):
-    """The keys and values (B, h, t, d_k) of the steps decoded so far, one step appended per call.
+    """The keys and values (B, h, t, d_k) of the steps decoded so far (beam search appends one
+    step per call; a call may append several).
 
     With g > 1 (grouped) the storage is (B / g, h, C * g, d_k), read under the beam's ancestry
     (shared with the other layers); with g = 1 it is (B, h, C, d_k), and a pending reorder is

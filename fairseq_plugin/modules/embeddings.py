@@ -15,7 +15,9 @@ from .dropout import Dropout
 
 
 class Embeddings(nn.Module):
-    """"In the embedding layers, we multiply those weights by sqrt(d_model)." (section 3.4)"""
+    """"We use learned embeddings to convert the input tokens and output tokens to vectors of
+    dimension d_model. ... In the embedding layers, we multiply those weights by sqrt(d_model)."
+    (section 3.4)"""
 
     def __init__(self, vocab_size: int, d_model: int, padding_idx: int, scale: bool = True):
         super().__init__()
@@ -30,7 +32,8 @@ def positions_of(tokens: Tensor, padding_idx: int) -> Tensor:
     """Position of each token among the non-padding tokens of its row, from 0.
 
     Counting only real tokens makes a sentence's encoding independent of how its batch is
-    padded (fairseq-generate left-pads sources, training right-pads). (B, L) -> (B, L)
+    padded (fairseq left-pads sources, in training and generation, and right-pads targets).
+    (B, L) -> (B, L)
     """
     real = tokens.ne(padding_idx)
     return (torch.cumsum(real, dim=1) - 1).clamp_(min=0)
@@ -51,7 +54,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.max_positions = max_positions
         self._table: Optional[Tensor] = None
 
-    def table(self, device, dtype) -> Tensor:  # (max_positions, d_model)
+    def table(self, dtype, device) -> Tensor:  # (max_positions, d_model)
         t = self._table
         if t is None or t.device != device or t.dtype != dtype:
             position = torch.arange(self.max_positions, dtype=torch.float32).unsqueeze(1)
@@ -66,8 +69,8 @@ class SinusoidalPositionalEncoding(nn.Module):
     def forward(self, positions: Union[Tensor, int], dtype, device) -> Tensor:
         """(B, L) positions -> (B, L, d); one position p for every row -> (d,), row p."""
         if isinstance(positions, int):
-            return self.table(device, dtype)[positions]
-        return F.embedding(positions, self.table(device, dtype))
+            return self.table(dtype, device)[positions]
+        return F.embedding(positions, self.table(dtype, device))
 
 
 class LearnedPositionalEncoding(nn.Module):
@@ -146,7 +149,9 @@ class Generator(nn.Module):
 
     The weight can be shared with the target embeddings ("we share the same weight matrix between
     the two embedding layers and the pre-softmax linear transformation"). The softmax itself is
-    fairseq's ``get_normalized_probs`` (log-softmax in fp32).
+    fairseq's ``get_normalized_probs`` (log-softmax in fp32). Unlike the notebook's
+    ``nn.Linear(d_model, vocab)`` the projection has no bias, as the shared embedding matrix has
+    none (and as fairseq's transformer).
     """
 
     def __init__(self, d_model: int, vocab_size: int, shared_weight: Optional[nn.Parameter] = None):

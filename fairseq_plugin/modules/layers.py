@@ -1,6 +1,8 @@
 """Encoder and decoder layers of the Annotated Transformer.
 
-Shapes: B batch, T target length, S source length, d_model model dimension.
+Shapes: B batch, T target length, S source length, d_model model dimension. In training the
+layers may run on the real positions (N, d_model) of a batch instead (``packing``, packing.py):
+every sub-layer but attention treats each position on its own.
 """
 
 from typing import Callable, Optional, Tuple
@@ -9,6 +11,7 @@ from torch import Tensor, nn
 
 from .attention import IncrementalState, MultiHeadedAttention
 from .dropout import Dropout
+from .packing import NO_PACKING, Rows
 
 
 class SublayerConnection(nn.Module):
@@ -34,7 +37,8 @@ class SublayerConnection(nn.Module):
 
 
 class PositionwiseFeedForward(nn.Module):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied to each position (section 3.3)."""
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied to each position (section 3.3): with the
+    default --activation-fn relu; dropout (--activation-dropout) after the activation."""
 
     def __init__(self, d_model: int, d_ff: int, activation: Callable[[Tensor], Tensor],
                  activation_dropout: float):
@@ -60,9 +64,10 @@ class EncoderLayer(nn.Module):
         self.sublayer = nn.ModuleList(
             [SublayerConnection(d_model, dropout, normalize_before) for _ in range(2)])
 
-    def forward(self, x: Tensor, mask: Optional[Tensor]) -> Tensor:
-        """x (B, S, d_model); mask (B, 1, 1, S), True at real tokens, or None."""
-        x = self.sublayer[0](x, lambda y: self.self_attn(y, mask=mask)[0])
+    def forward(self, x: Tensor, mask: Optional[Tensor], packing: Rows = NO_PACKING) -> Tensor:
+        """x (B, S, d_model), or its real rows under ``packing``; mask (B, 1, 1, S), True at real
+        tokens, or None."""
+        x = self.sublayer[0](x, lambda y: self.self_attn(y, mask=mask, packing=packing)[0])
         return self.sublayer[1](x, self.feed_forward)
 
 
@@ -83,20 +88,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, memory: Tensor, tgt_mask: Optional[Tensor],
                 src_mask: Optional[Tensor], incremental_state: Optional[IncrementalState] = None,
-                need_attn: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-        """x (B, T, d_model), memory (B, S, d_memory); tgt_mask (B, 1, 1, T) / src_mask
-        (B, 1, 1, S), True at real tokens, or None. Self-attention is causal.
-        Returns x and, if need_attn, the source attention (B, h, T, S)."""
+                need_attn: bool = False, packing: Rows = NO_PACKING
+                ) -> Tuple[Tensor, Optional[Tensor]]:
+        """x (B, T, d_model), or its real rows under ``packing``; memory (B, S, d_memory);
+        tgt_mask (B, 1, 1, T) / src_mask (B, 1, 1, S), True at real tokens, or None.
+        Self-attention is causal. Returns x and, if need_attn, the source attention (B, h, T, S)."""
         x = self.sublayer[0](x, lambda y: self.self_attn(
-            y, mask=tgt_mask, causal=True, incremental_state=incremental_state)[0])
-        weights = []
+            y, mask=tgt_mask, causal=True, incremental_state=incremental_state,
+            packing=packing)[0])
+        weights = None  # the source attention's, kept by the sub-layer below
 
-        def source_attention(y: Tensor) -> Tensor:
-            out, w = self.src_attn(y, memory, mask=src_mask, incremental_state=incremental_state,
-                                   need_weights=need_attn)
-            weights.append(w)
+        def source_attention(y: Tensor) -> Tensor:  # the notebook's src_attn(x, m, m, src_mask)
+            nonlocal weights
+            out, weights = self.src_attn(y, memory, mask=src_mask, need_weights=need_attn,
+                                         incremental_state=incremental_state, packing=packing)
             return out
 
         x = self.sublayer[1](x, source_attention)
-        return self.sublayer[2](x, self.feed_forward), weights[0]
-
+        return self.sublayer[2](x, self.feed_forward), weights
