@@ -21,8 +21,8 @@ Data (--data): real parallel text by default, the Tatoeba German-English sample 
 examples/tatoeba prepared as the demo prepares it (sacremoses, joint BPE 6k); or ``synthetic``, a
 generated corpus with a Zipf-like vocabulary (~6k types) whose source and target lengths (8-40)
 are drawn independently, so its batches carry more target padding; or a prepared --data-bin.
-The padding share of the training batches is printed: the model skips padding in its
-feed-forward sub-layers, so it matters. Sizes: d_model 256, 4+4 layers, d_ff 1024, 4 heads by
+The padding share of the training batches is printed: in training the model skips padding in
+its position-wise work (projections, feed-forward, layer norms, dropout), so it matters. Sizes: d_model 256, 4+4 layers, d_ff 1024, 4 heads by
 default; --preset base|iwslt|multi30k|tiny for others.
 
 --steps-in-process N measures training alone, with less noise: both models' fairseq Trainers in

@@ -55,11 +55,17 @@ def test_the_runner_echoes_the_lines_its_show_function_picks_and_logs_every_line
     assert (tmp_path / "train.log").read_text().splitlines() == ["noise", VALID_LINE]
 
 
-def test_a_failed_command_is_one_plugin_error_naming_its_log_which_holds_its_output(tmp_path):
+def test_a_failed_command_is_one_plugin_error_naming_its_log_which_holds_its_output(
+        tmp_path, monkeypatch):
     child = "import sys; print('what went wrong'); sys.exit(3)"
-    with pytest.raises(PluginError, match=r"^python\S* failed \(exit 3\); see .*train\.log$"):
-        run([sys.executable, "-c", child], tmp_path / "train.log", echo=lambda *a, **k: None)
-    assert (tmp_path / "train.log").read_text() == "what went wrong\n"
+    monkeypatch.chdir(tmp_path)  # a relative log path is named absolute in the error
+    (tmp_path / "logs").mkdir()
+    with pytest.raises(PluginError) as error:
+        run([sys.executable, "-c", child], os.path.join("logs", "train.log"),
+            echo=lambda *a, **k: None)
+    log = tmp_path / "logs" / "train.log"
+    assert re.fullmatch(r"python\S* failed \(exit 3\); see (.*)", str(error.value)).group(1) == str(log)
+    assert log.read_text() == "what went wrong\n"
 
 
 GENERATE_LINE = "2026-11-23 05:00:00 | INFO | fairseq_cli.generate | :      3 / 12 wps=1500"

@@ -148,4 +148,4 @@ def run(cmd, log_path, show=None, epochs=None, echo=print, output_path=None):
                 echo("  " + shown, flush=True)
     if proc.wait() != 0:
         raise PluginError(f"{os.path.basename(cmd[0])} failed (exit {proc.returncode}); "
-                          f"see {log_path}")
+                          f"see {os.path.abspath(log_path)}")
