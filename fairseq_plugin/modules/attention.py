@@ -165,21 +165,28 @@ class MultiHeadedAttention(nn.Module):
         #    (B, h, L, d_k); no keys and values when the cache already holds the source's
         q, k, v = self.project(query, memory, cache, packing)
         B, _, T, _ = q.shape
+        group = 1  # hypotheses whose queries attend together to one sentence's keys
         if cache is not None:  # (decoding) keys and values come from the cache, which first
             # keeps the new ones; the g hypotheses of a sentence may share them: queries
             # (B / g, h, g * T, d_k)
             if k is not None:
                 cache.append(k, v, mask)
             k, v, mask = cache.keys_values()
-            q = q.unflatten(0, (-1, cache.group)).transpose(1, 2).flatten(2, 3)
+            group = cache.group
+            q = q.unflatten(0, (-1, group)).transpose(1, 2).flatten(2, 3)
             causal = causal and T > 1  # one new step may see every cached one
         # 2) attend: softmax(Q K^T / sqrt(d_k)) V, fused or written out
         kernel = choose_kernel(need_weights, self.kernel)
         out, weights = attend(q, k, v, mask, causal, self.dropout, kernel)
-        # 3) "concatenated and once again projected": (B / g, h, g * T, d_k) -> (B, T, d_model)
-        out = out.unflatten(2, (-1, T)).permute(0, 2, 3, 1, 4).reshape(B, T, self.h * self.d_k)
-        if weights is not None:  # (B, h, T, S)
-            weights = weights.unflatten(2, (-1, T)).transpose(1, 2).flatten(0, 1)
+        # 3) "concatenated and once again projected": (B, h, T, d_k) -> (B, T, h, d_k) ->
+        #    (B, T, d_model)
+        if group == 1:
+            out = out.transpose(1, 2)
+        else:  # each group's queries back to their rows: (B / g, h, g * T, ...) -> (B, T, h, ...)
+            out = out.unflatten(2, (group, T)).permute(0, 2, 3, 1, 4)
+            if weights is not None:  # (B, h, T, S)
+                weights = weights.unflatten(2, (group, T)).transpose(1, 2).flatten(0, 1)
+        out = out.reshape(B, T, self.h * self.d_k)
         return self.out_proj(packing.pack(out)), weights
 
     def cache(self, incremental_state: Optional[IncrementalState]) -> Optional[KeyValueCache]:
