@@ -361,6 +361,33 @@ def test_steps_after_reorders_within_and_then_across_groups_equal_a_full_pass():
     assert {m.cache(state).group for m in model.decoder.attentions()} == {1}
 
 
+def test_the_ancestry_is_dropped_once_no_cache_reads_it():
+    """Attention weights from every self-attention (heat-maps) ungroup each cache in the first
+    step; the next reorder drops the beam's ancestry instead of reordering it for nobody, and the
+    steps after it still equal a full pass."""
+    from fairseq_plugin.modules.attention import recording_attention
+
+    d = make_dictionary()
+    model = build_tiny_model(d, decoder_layers=2)
+    model.set_beam_size(2)
+    src, lengths = padded_sources(d, [6, 4], left_pad=True)
+    sentence = torch.arange(2).repeat_interleave(2)
+    order = torch.tensor([1, 1, 3, 2])  # within the groups
+    with torch.no_grad(), recording_attention(model.decoder):
+        encoder_out = model.encoder.reorder_encoder_out(model.encoder(src, lengths), sentence)
+        tokens, state = torch.full((4, 1), d.eos()), {}
+        model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)
+        assert model.decoder.get_incremental_state(state, "ancestry") is not None
+        model.decoder.reorder_incremental_state_scripting(state, order)
+        assert model.decoder.get_incremental_state(state, "ancestry") is None
+        encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
+        tokens = torch.cat([tokens.index_select(0, order), random_tokens(d, 4, 1)], 1)
+        step = model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)[0]
+        full = model.decoder(tokens, model.encoder(src[sentence[order]],
+                                                   lengths[sentence[order]]))[0]
+    assert (step[:, -1] - full[:, -1]).abs().max() <= 1e-5
+
+
 def test_masks_handed_to_attention_in_beam_search_have_aligned_rows(monkeypatch):
     """On a GPU, torch's memory-efficient attention kernel copies a mask whose rows are not a
     multiple of 8 elements apart, at every call: the caches keep theirs aligned, for a source of

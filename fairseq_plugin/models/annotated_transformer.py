@@ -277,12 +277,17 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
     def reorder_incremental_state_scripting(self, incremental_state: IncrementalState,
                                             new_order: Tensor) -> None:
         """Beam search's reorder, once per step: worked out once (BeamReorder), then followed by
-        every cache and by the beam's ancestry. (Replaces fairseq's walk over every submodule.)"""
+        every cache and by the beam's ancestry while a cache reads it. (Replaces fairseq's walk
+        over every submodule.)"""
         reorder = BeamReorder(new_order)
         for attention in self.attentions():
             attention.reorder_cache(incremental_state, reorder)
         ancestry = self.get_incremental_state(incremental_state, "ancestry")
-        if ancestry is not None and not ancestry.reorder(reorder):
+        if ancestry is None:
+            return
+        read = any(layer.self_attn.cache(incremental_state).ancestry is ancestry
+                   for layer in self.layers)  # not when every cache ungrouped (attention weights)
+        if not read or not ancestry.reorder(reorder):
             self.set_incremental_state(incremental_state, "ancestry", None)  # no groups any more
 
 
