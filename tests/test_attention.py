@@ -135,7 +135,8 @@ def test_half_precision_gives_no_inf_and_stays_close_to_fp32(dtype, need_weights
     out, weights = half(x.to(dtype), memory.to(dtype), mask=pad_mask(pad),
                         need_weights=need_weights)
     assert torch.isfinite(out).all()
-    if weights is not None:
+    assert (weights is not None) == need_weights
+    if need_weights:
         assert torch.isfinite(weights).all()
     tol = 0.05 if dtype == torch.float16 else 0.15
     assert (out.float() - ref).abs().max() < tol
@@ -194,12 +195,17 @@ def test_a_model_with_encoder_width_128_and_decoder_width_96_initialises_every_m
 
     model = build_tiny_model(encoder_embed_dim=128, decoder_embed_dim=96,
                              encoder_attention_heads=4, decoder_attention_heads=4)
+    def glorot(w, rows, cols):  # nn.Linear's default bound, 1 / sqrt(cols), is below 0.95 of it
+        bound = math.sqrt(6.0 / (rows + cols))
+        return w.shape == (rows, cols) and 0.95 * bound < w.abs().max() <= bound
+
     for layer in model.decoder.layers:
-        w_q = layer.src_attn.q_proj.weight
         w_k, w_v = layer.src_attn.kv_proj.weight.split(96, dim=0)
-        for w, (rows, cols) in ((w_q, (96, 96)), (w_k, (96, 128)), (w_v, (96, 128))):
-            bound = math.sqrt(6.0 / (rows + cols))
-            assert w.shape == (rows, cols) and 0.95 * bound < w.abs().max() <= bound
+        assert glorot(layer.src_attn.q_proj.weight, 96, 96)
+        assert glorot(w_k, 96, 128) and glorot(w_v, 96, 128)
+        assert all(glorot(w, 96, 96) for w in layer.self_attn.qkv_proj.weight.split(96, dim=0))
+        assert glorot(layer.self_attn.out_proj.weight, 96, 96)
+        assert glorot(layer.src_attn.out_proj.weight, 96, 96)
     for layer in model.encoder.layers:
-        for w in layer.self_attn.qkv_proj.weight.split(128, dim=0):
-            assert 0.95 * math.sqrt(6.0 / 256) < w.abs().max() <= math.sqrt(6.0 / 256)
+        assert all(glorot(w, 128, 128) for w in layer.self_attn.qkv_proj.weight.split(128, dim=0))
+        assert glorot(layer.self_attn.out_proj.weight, 128, 128)

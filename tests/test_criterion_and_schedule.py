@@ -40,20 +40,32 @@ def test_criterion_at_eps_zero_equals_nll():
     assert torch.allclose(nll, expected, rtol=1e-5)
 
 
-def test_criterion_in_fairseq_logs_loss_and_nll_loss():
+@pytest.mark.parametrize("eps", [0.1, 0.3])
+def test_criterion_in_fairseq_is_the_notebooks_label_smoothing_of_the_models_output(eps):
+    """The registered criterion on a padded batch: its loss is the notebook's LabelSmoothing (KL
+    summed over real tokens) of the model's log-probabilities, its nll_loss the summed NLL, and
+    it logs what fairseq's trainer reads."""
     d = make_dictionary()
-    model = build_tiny_model(d).train()
+    model = build_tiny_model(d).eval()  # no dropout: the two forward passes agree
     task = Namespace(target_dictionary=d)
-    crit = AnnotatedLabelSmoothingCriterion(task, sentence_avg=False, label_smoothing=0.1)
+    crit = AnnotatedLabelSmoothingCriterion(task, sentence_avg=False, label_smoothing=eps)
     src = random_tokens(d, 3, 6)
     tgt = random_tokens(d, 3, 5)
+    tgt[1, 3:] = d.pad()
     prev = torch.cat([torch.full((3, 1), d.eos()), tgt[:, :-1]], 1)
+    ntokens = int(tgt.ne(d.pad()).sum())
     sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((3,), 6),
                             "prev_output_tokens": prev},
-              "target": tgt, "ntokens": 15}
+              "target": tgt, "ntokens": ntokens}
     loss, sample_size, log = crit(model, sample)
-    assert sample_size == 15
-    assert loss.item() > 0 and log["nll_loss"].item() > 0
+    lprobs = model.get_normalized_probs(model(**sample["net_input"]), log_probs=True)
+    lprobs, target = lprobs.view(-1, len(d)).double(), tgt.view(-1)
+    real = target.ne(d.pad())
+    assert sample_size == ntokens == 13
+    assert torch.allclose(loss.double(), LabelSmoothing(len(d), d.pad(), eps)(lprobs, target),
+                          rtol=1e-5)
+    assert torch.allclose(log["nll_loss"].double(),
+                          -lprobs[real].gather(1, target[real, None]).sum(), rtol=1e-5)
     assert set(log) >= {"loss", "nll_loss", "ntokens", "nsentences", "sample_size"}
 
 

@@ -56,3 +56,34 @@ def test_same_seed_same_mask_and_identity_in_eval_or_at_p_zero():
     assert torch.equal(a, b) and not torch.equal(a, x)
     assert Dropout(0.5).eval()(x) is x
     assert Dropout(0.0).train()(x) is x
+
+
+def test_training_the_model_on_the_cpu_draws_the_cheaper_mask_and_fuses_attention_dropout(
+        monkeypatch):
+    """Every dropout of the model outside attention takes the mask above once per forward pass;
+    each attention hands its dropout to the fused kernel (the CPU half of test_cuda's check)."""
+    import torch.nn.functional as F
+
+    from conftest import build_tiny_model, make_dictionary, random_tokens
+    from fairseq_plugin.modules import dropout
+
+    calls = {"cpu mask": 0, "fused with dropout": 0}
+    cpu_mask, fused = dropout._CpuDropout.apply, F.scaled_dot_product_attention
+
+    def counted_mask(*args):
+        calls["cpu mask"] += 1
+        return cpu_mask(*args)
+
+    def counted_fused(*args, dropout_p=0.0, **kwargs):
+        calls["fused with dropout"] += dropout_p > 0
+        return fused(*args, dropout_p=dropout_p, **kwargs)
+
+    monkeypatch.setattr(dropout._CpuDropout, "apply", counted_mask)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted_fused)
+    d = make_dictionary()
+    model = build_tiny_model(d, dropout=0.3, attention_dropout=0.1).train()
+    src, tgt = random_tokens(d, 4, 7), random_tokens(d, 4, 6)
+    model(src, torch.full((4,), 7), tgt)[0].float().pow(2).mean().backward()
+    dropouts = sum(isinstance(m, Dropout) and m.p > 0 for m in model.modules())
+    assert dropouts == 2 + 2 * 2 + 2 * 3  # embeddings, encoder and decoder sub-layers
+    assert calls == {"cpu mask": dropouts, "fused with dropout": 2 + 2 * 2}

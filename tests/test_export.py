@@ -81,7 +81,9 @@ def test_exported_transformer_decodes_the_same_with_its_incremental_state(config
         gen = SequenceGenerator([model], tgt, beam_size=3, max_len_b=15)
         with torch.no_grad():
             hypos = gen.generate([model], {"net_input": net_input})
-        outputs.append([(h[0]["tokens"].tolist(), float(h[0]["score"])) for h in hypos])
+        outputs.append([(h["tokens"].tolist(), float(h["score"])) for beam in hypos for h in beam])
+    assert len(outputs[0]) == len(outputs[1]) == 4 * 3  # every hypothesis of every beam
+    assert max(len(tokens) for tokens, _ in outputs[0]) > 2  # more than a word and </s>
     for (a_tokens, a_score), (b_tokens, b_score) in zip(*outputs):
         assert a_tokens == b_tokens
         assert abs(a_score - b_score) < 1e-4

@@ -1,5 +1,6 @@
 """The cache must change nothing: step-by-step decoding equals one full pass."""
 
+import contextlib
 import statistics
 
 import pytest
@@ -536,24 +537,47 @@ def test_cached_greedy_decoding_equals_the_notebooks_greedy_decode():
     assert len(set(map(tuple, expected.tolist()))) > 1
 
 
+@contextlib.contextmanager
+def count_kernels():
+    """{kernel: calls} of every attention while inside."""
+    from fairseq_plugin.modules import attention
+
+    counts, attend = {FUSED: 0, EXPLICIT: 0}, attention.attend
+
+    def counted(q, k, v, mask, causal, dropout, kernel):
+        counts[kernel] += 1
+        return attend(q, k, v, mask, causal, dropout, kernel)
+
+    attention.attend = counted
+    try:
+        yield counts
+    finally:
+        attention.attend = attend
+
+
 def test_fused_kernel_in_decoding_steps_equals_the_written_out_formula():
-    """Decoding steps use the fused kernel; the written-out formula forced gives the same beams."""
+    """Decoding steps with the fused kernel in every attention (as fairseq-generate runs them,
+    no alignment asked for) give the beams of the written-out formula."""
     d = make_dictionary(40)
     model = build_tiny_model(d)
+    model.decoder.make_generation_fast_(need_attn=False)
     with torch.no_grad():
         model.decoder.generator.proj.weight.mul_(4.0)
     src, lengths = padded_sources(d, [6, 9, 4, 7, 2], left_pad=True)
     sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
 
-    def beam4():
+    def beam4(kernel):
+        for m in model.modules():
+            if isinstance(m, MultiHeadedAttention):
+                m.kernel = kernel
         gen = SequenceGenerator([model], d, beam_size=4, max_len_b=12)
-        with torch.no_grad():
-            return gen.generate([model], sample)
+        with torch.no_grad(), count_kernels() as kernels:
+            return gen.generate([model], sample), kernels
 
-    fused = beam4()
-    for m in model.decoder.attentions():
-        m.kernel = EXPLICIT
-    explicit = beam4()
+    (fused, fused_kernels), (explicit, explicit_kernels) = beam4(FUSED), beam4(EXPLICIT)
+    assert fused_kernels[EXPLICIT] == 0 < fused_kernels[FUSED]
+    assert explicit_kernels[FUSED] == 0 < explicit_kernels[EXPLICIT]
+    assert len({tuple(h["tokens"].tolist()) for hyps in fused for h in hyps}) > 5  # not trivial
     for hyps_a, hyps_b in zip(explicit, fused):
         for a, b in zip(hyps_a, hyps_b):
             assert torch.equal(a["tokens"], b["tokens"])
@@ -604,8 +628,8 @@ def test_beam_search_with_prefixes_or_constraints_is_the_same_with_and_without_c
         extra["prefix_tokens"] = random_tokens(d, 3, 2)
     else:
         options["search_strategy"] = search.LexicallyConstrainedBeamSearch(d, "ordered")
-        extra["constraints"] = pack_constraints(
-            [[random_tokens(d, 1, 2)[0]], [random_tokens(d, 1, 1)[0]], []])
+        phrases = [[random_tokens(d, 1, 2)[0]], [random_tokens(d, 1, 1)[0]], []]
+        extra["constraints"] = pack_constraints(phrases)
 
     def generate(m):
         gen = SequenceGenerator([m], d, beam_size=4, max_len_b=10, **options)
@@ -620,6 +644,11 @@ def test_beam_search_with_prefixes_or_constraints_is_the_same_with_and_without_c
     if kind == "prefix":
         assert all(torch.equal(h["tokens"][:2], p) for hs, p in zip(cached, extra["prefix_tokens"])
                    for h in hs)
+    else:  # every hypothesis holds its sentence's constraint, in order
+        for hyps, phrase in zip(cached, ([int(t) for t in c[0]] if c else [] for c in phrases)):
+            for h in hyps:
+                tokens = h["tokens"].tolist()
+                assert any(tokens[i:i + len(phrase)] == phrase for i in range(len(tokens))), phrase
 
 
 @pytest.mark.parametrize("kernel", [FUSED, "explicit"])

@@ -205,13 +205,16 @@ def test_each_sentence_of_a_padded_target_batch_gets_the_logits_it_gets_alone(le
             assert (batch[i, real] - alone).abs().max() <= 1e-5, i
 
 
-def test_gradients_of_a_padded_batch_are_the_sum_over_its_sentences():
+@pytest.mark.parametrize("left_pad", [False, True])
+def test_gradients_of_a_padded_batch_are_the_sum_over_its_sentences(left_pad):
+    """Right padding (training) or left padding (--left-pad-target, whose padding queries see
+    no key: zeros, not NaN, in the gradients on every torch)."""
     d = make_dictionary()
     model = build_tiny_model(d, dropout=0.0).train()
     lengths = [6, 3, 5]
     src = random_tokens(d, len(lengths), 5)
     src_lengths = torch.full((len(lengths),), 5)
-    prev = padded_targets(d, lengths)
+    prev = padded_targets(d, lengths, left_pad)
     target = torch.where(prev.ne(d.pad()), random_tokens(d, *prev.shape), prev)
 
     def grads(loss):
@@ -226,9 +229,10 @@ def test_gradients_of_a_padded_batch_are_the_sum_over_its_sentences():
 
     batch = grads(nll(model(src, src_lengths, prev)[0], target))
     summed = None
-    for i, n in enumerate(lengths):
-        g = grads(nll(model(src[i:i + 1], src_lengths[i:i + 1], prev[i:i + 1, :n])[0],
-                      target[i:i + 1, :n]))
+    for i in range(len(lengths)):
+        real = prev[i].ne(d.pad())
+        g = grads(nll(model(src[i:i + 1], src_lengths[i:i + 1], prev[i:i + 1, real])[0],
+                      target[i:i + 1, real]))
         summed = g if summed is None else {k: summed[k] + g[k] for k in g}
     for name in batch:
         assert torch.allclose(batch[name], summed[name], atol=1e-4, rtol=1e-4), name

@@ -124,6 +124,17 @@ def test_short_run_generates_and_scores_with_sacrebleu(trained):
     # fairseq-generate's output and log, next to the checkpoint
     assert "H-59\t" in (ckpt / "generate-test.txt").read_text()
     assert "Translated 60 sentences" in (ckpt / "generate-test.log").read_text()
+    # the score is sacreBLEU of the detokenised hypotheses (no BPE left) against the raw text
+    import sacrebleu
+
+    detokenised = {int(line.split("\t")[0][2:]): line.split("\t", 2)[2]
+                   for line in (ckpt / "generate-test.txt").read_text().splitlines()
+                   if line.startswith("D-")}
+    hyps = [detokenised[i] for i in range(60)]
+    assert not any("@@" in h for h in hyps)
+    refs = (w / "bin" / "raw" / "test.en").read_text(encoding="utf-8").splitlines()
+    printed = next(line for line in lines if line.startswith("BLEU = ")).split()[2]
+    assert printed == f"{sacrebleu.corpus_bleu(hyps, [refs]).score:.2f}"
     # the length penalty is chosen on the validation set
     proc = cli("annotated-evaluate-bleu", w / "bin", ckpt / "checkpoint_last.pt", "--examples", "0",
                "--subset", "valid", "--lenpen", "1.5")
@@ -189,7 +200,9 @@ def test_python_api_translates_like_fairseq_generate(prepared, trained):
     hyps, settings = evaluate_bleu.generate_detokenised(str(w / "bin"),
                                                         str(ckpt / "checkpoint_last.pt"))
     sources = (w / "bin" / "raw" / "test.de").read_text(encoding="utf-8").splitlines()
-    for i in range(3):
+    different = list({hyps[i]: i for i in range(len(sources))}.values())[:3]  # unlike outputs
+    assert len(different) == 3
+    for i in different:
         assert hub.translate(sources[i], beam=5) == hyps[i]
 
 
