@@ -61,8 +61,12 @@ def test_presets_have_the_papers_sizes():
 
     def preset(name, **given):
         args = MODEL_REGISTRY[name].options(Namespace(**given))
-        return (args.encoder_layers, args.encoder_embed_dim, args.encoder_ffn_embed_dim,
-                args.encoder_attention_heads, args.dropout, args.decoder_embed_dim)
+        encoder = (args.encoder_layers, args.encoder_embed_dim, args.encoder_ffn_embed_dim,
+                   args.encoder_attention_heads)
+        decoder = (args.decoder_layers, args.decoder_embed_dim, args.decoder_ffn_embed_dim,
+                   args.decoder_attention_heads)
+        assert decoder == encoder or "encoder_layers" in given, name  # N, d_model, d_ff, h
+        return (*encoder, args.dropout, args.decoder_embed_dim)
 
     assert preset("annotated_transformer") == (6, 512, 2048, 8, 0.1, 512)
     assert preset("annotated_transformer_iwslt_de_en") == (6, 512, 1024, 4, 0.1, 512)
@@ -150,14 +154,26 @@ def test_a_working_transformer_command_builds_and_trains_with_the_annotated_arch
         parser = options.get_training_parser()
         parsed[arch] = options.parse_args_and_arch(parser, command.format(arch=arch).split())
     ours = parsed["annotated_transformer_iwslt_de_en"]
-    for name in ("encoder_layers", "encoder_embed_dim", "encoder_ffn_embed_dim",
-                 "decoder_attention_heads", "dropout", "attention_dropout", "activation_dropout",
-                 "share_decoder_input_output_embed", "encoder_learned_pos",
-                 "max_source_positions", "no_scale_embedding"):
+    for side in ("encoder", "decoder"):
+        for name in ("layers", "embed_dim", "ffn_embed_dim", "attention_heads", "learned_pos",
+                     "normalize_before"):
+            name = f"{side}_{name}"
+            assert getattr(ours, name) == getattr(parsed["transformer_iwslt_de_en"], name), name
+    for name in ("dropout", "attention_dropout", "activation_dropout", "activation_fn",
+                 "share_decoder_input_output_embed", "max_source_positions",
+                 "max_target_positions", "no_scale_embedding"):
         assert getattr(ours, name) == getattr(parsed["transformer_iwslt_de_en"], name), name
     task = tasks.setup_task(ours)
     model, criterion = task.build_model(ours), task.build_criterion(ours)
     assert type(model).__name__ == "AnnotatedTransformerIwsltDeEnModel"
+    # the model built follows them
+    layer = model.decoder.layers[0]
+    assert (len(model.encoder.layers), len(model.decoder.layers)) == (6, 6)
+    assert layer.feed_forward.w_1.weight.shape == (1024, 512) and layer.self_attn.h == 4
+    assert model.encoder.embed.positional.max_positions == 256
+    assert type(model.decoder.embed.positional).__name__ == "LearnedPositionalEncoding"
+    assert model.encoder.embed.embeddings.scale == 1.0  # --no-scale-embedding
+    assert model.decoder.generator.proj.weight is model.decoder.embed.embeddings.lut.weight
     src, tgt = random_tokens(d, 4, 7), random_tokens(d, 4, 6)
     sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((4,), 7),
                             "prev_output_tokens": torch.roll(tgt, 1, 1)},
