@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ..errors import PluginError
 from .cache import (Ancestry, BeamReorder, KeyValueCache, SelfAttentionCache,
                     SourceAttentionCache)
-from .packing import NO_PACKING, Rows
+from .packing import NO_PACKING, Packing
 
 # Since torch 2.5, scaled_dot_product_attention returns zeros for a query whose boolean mask allows
 # no key (a left-padded target's padding); older versions return NaN there, in the output and in
@@ -150,9 +150,9 @@ class MultiHeadedAttention(nn.Module):
 
     def forward(self, query: Tensor, memory: Optional[Tensor] = None, mask: Optional[Tensor] = None,
                 causal: bool = False, incremental_state: Optional[IncrementalState] = None,
-                need_weights: bool = False, packing: Rows = NO_PACKING
+                need_weights: bool = False, packing: Packing = NO_PACKING
                 ) -> Tuple[Tensor, Optional[Tensor]]:
-        """query (B, T, d_model), or its real rows (N, d_model) under a ``Packing`` (training);
+        """query (B, T, d_model), or its real rows (N, d_model) under ``RealPositions`` (training);
         memory (B, S, d_memory) for encoder-decoder attention, None for self-attention; mask
         (B or 1, 1, T or 1, S), True where a query may attend; causal: each query sees no later
         position (the decoder's self-attention); incremental_state: fairseq's, holding this
@@ -212,7 +212,7 @@ class MultiHeadedAttention(nn.Module):
             cache.reorder(reorder)
 
     def project(self, query: Tensor, memory: Optional[Tensor], cache: Optional[KeyValueCache],
-                packing: Rows) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+                packing: Packing) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         """Q (B, h, T, d_k) and K, V (rows, h, S, d_k): one row per distinct row the cache keeps,
         or None when the cache already has the source's. Packed query rows are projected as they
         are, then unpacked to (B, T) for attention."""

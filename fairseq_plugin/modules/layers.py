@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .attention import IncrementalState, MultiHeadedAttention
 from .dropout import Dropout
-from .packing import NO_PACKING, Rows
+from .packing import NO_PACKING, Packing
 
 
 class SublayerConnection(nn.Module):
@@ -64,7 +64,7 @@ class EncoderLayer(nn.Module):
         self.sublayer = nn.ModuleList(
             [SublayerConnection(d_model, dropout, normalize_before) for _ in range(2)])
 
-    def forward(self, x: Tensor, mask: Optional[Tensor], packing: Rows = NO_PACKING) -> Tensor:
+    def forward(self, x: Tensor, mask: Optional[Tensor], packing: Packing = NO_PACKING) -> Tensor:
         """x (B, S, d_model), or its real rows under ``packing``; mask (B, 1, 1, S), True at real
         tokens, or None."""
         x = self.sublayer[0](x, lambda y: self.self_attn(y, mask=mask, packing=packing)[0])
@@ -88,7 +88,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, memory: Tensor, tgt_mask: Optional[Tensor],
                 src_mask: Optional[Tensor], incremental_state: Optional[IncrementalState] = None,
-                need_attn: bool = False, packing: Rows = NO_PACKING
+                need_attn: bool = False, packing: Packing = NO_PACKING
                 ) -> Tuple[Tensor, Optional[Tensor]]:
         """x (B, T, d_model), or its real rows under ``packing``; memory (B, S, d_memory);
         tgt_mask (B, 1, 1, T) / src_mask (B, 1, 1, S), True at real tokens, or None.

@@ -8,7 +8,8 @@ every padded position.
 
 The layers of modules/layers.py take the packing as an argument and run their usual ``forward``
 on the rows they are given; only ``MultiHeadedAttention`` looks at it, to unpack its projections
-before attending and pack its output after. ``NoPacking`` (the default) leaves a batch as it is.
+before attending and pack its output after. A ``Packing`` is either ``RealPositions`` or
+``AllPositions`` (``NO_PACKING``, the default), which leaves a batch as it is.
 The results at real positions are the same either way (tested); only the work on padding is saved
 (README, "Speed and memory").
 """
@@ -22,7 +23,7 @@ from torch import Tensor
 MIN_PADDING_SHARE = 0.02
 
 
-class Packing:
+class RealPositions:
     """The real (non-padding) positions of a (B, L) batch."""
 
     def __init__(self, real: Tensor):
@@ -39,7 +40,7 @@ class Packing:
         return out.view(*self.shape, *x.shape[1:])
 
 
-class NoPacking:
+class AllPositions:
     """Every position, padding included: the batch as it is."""
 
     @staticmethod
@@ -51,13 +52,13 @@ class NoPacking:
         return x
 
 
-NO_PACKING = NoPacking()
-Rows = Union[Packing, NoPacking]  # what a layer's input rows are: real positions, or the batch
+NO_PACKING = AllPositions()
+Packing = Union[RealPositions, AllPositions]  # which positions a layer's input rows are
 
 
-def packing_for(padding_mask: Optional[Tensor], enabled: bool = True) -> Rows:
+def packing_for(padding_mask: Optional[Tensor], enabled: bool = True) -> Packing:
     """What the layers run on, given the (B, L) padding mask (True at padding; None: no
     padding to skip)."""
     if not enabled or padding_mask is None or padding_mask.float().mean() < MIN_PADDING_SHARE:
         return NO_PACKING
-    return Packing(~padding_mask)
+    return RealPositions(~padding_mask)
