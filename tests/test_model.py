@@ -60,20 +60,22 @@ def test_presets_have_the_papers_sizes():
     from fairseq.models import MODEL_REGISTRY
 
     def preset(name, **given):
+        """(encoder's (N, d_model, d_ff, h), decoder's, dropout) of a preset given ``given``."""
         args = MODEL_REGISTRY[name].options(Namespace(**given))
-        encoder = (args.encoder_layers, args.encoder_embed_dim, args.encoder_ffn_embed_dim,
-                   args.encoder_attention_heads)
-        decoder = (args.decoder_layers, args.decoder_embed_dim, args.decoder_ffn_embed_dim,
-                   args.decoder_attention_heads)
-        assert decoder == encoder or "encoder_layers" in given, name  # N, d_model, d_ff, h
-        return (*encoder, args.dropout, args.decoder_embed_dim)
+        return ((args.encoder_layers, args.encoder_embed_dim, args.encoder_ffn_embed_dim,
+                 args.encoder_attention_heads),
+                (args.decoder_layers, args.decoder_embed_dim, args.decoder_ffn_embed_dim,
+                 args.decoder_attention_heads),
+                args.dropout)
 
-    assert preset("annotated_transformer") == (6, 512, 2048, 8, 0.1, 512)
-    assert preset("annotated_transformer_iwslt_de_en") == (6, 512, 1024, 4, 0.1, 512)
-    assert preset("annotated_transformer_big") == (6, 1024, 4096, 16, 0.3, 1024)
-    assert preset("annotated_transformer_tiny") == (2, 64, 256, 4, 0.1, 64)
-    # what the user gives is kept
-    assert preset("annotated_transformer_big", dropout=0.0, encoder_layers=3)[::4] == (3, 0.0)
+    for name, sizes, dropout in [("annotated_transformer", (6, 512, 2048, 8), 0.1),
+                                 ("annotated_transformer_iwslt_de_en", (6, 512, 1024, 4), 0.1),
+                                 ("annotated_transformer_big", (6, 1024, 4096, 16), 0.3),
+                                 ("annotated_transformer_tiny", (2, 64, 256, 4), 0.1)]:
+        assert preset(name) == (sizes, sizes, dropout), name
+    # what the user gives is kept, and only that
+    assert preset("annotated_transformer_big", dropout=0.0, encoder_layers=3) == (
+        (3, 1024, 4096, 16), (6, 1024, 4096, 16), 0.0)
 
 
 def test_pre_ln_by_default_post_ln_on_request():

@@ -66,11 +66,13 @@ class SinusoidalPositionalEncoding(nn.Module):
             t = self._table = pe.to(device=device, dtype=dtype)
         return t
 
-    def forward(self, positions: Union[Tensor, int], dtype, device) -> Tensor:
-        """(B, L) positions -> (B, L, d); one position p for every row -> (d,), row p."""
+    def forward(self, positions: Union[Tensor, int], like: Tensor) -> Tensor:
+        """(B, L) positions -> (B, L, d); one position p for every row -> (d,), row p; in the
+        dtype and on the device of ``like``, the embeddings they are added to."""
+        table = self.table(like.dtype, like.device)
         if isinstance(positions, int):
-            return self.table(dtype, device)[positions]
-        return F.embedding(positions, self.table(dtype, device))
+            return table[positions]
+        return F.embedding(positions, table)
 
 
 class LearnedPositionalEncoding(nn.Module):
@@ -81,11 +83,12 @@ class LearnedPositionalEncoding(nn.Module):
         self.max_positions = max_positions
         self.embed = nn.Embedding(max_positions, d_model)
 
-    def forward(self, positions: Union[Tensor, int], dtype, device) -> Tensor:
-        """(B, L) positions -> (B, L, d); one position p for every row -> (d,), row p."""
+    def forward(self, positions: Union[Tensor, int], like: Tensor) -> Tensor:
+        """(B, L) positions -> (B, L, d); one position p for every row -> (d,), row p; in the
+        dtype of ``like``, the embeddings they are added to."""
         if isinstance(positions, int):
-            return self.embed.weight[positions].to(dtype)
-        return self.embed(positions).to(dtype)
+            return self.embed.weight[positions].to(like.dtype)
+        return self.embed(positions).to(like.dtype)
 
 
 class EmbeddingLayer(nn.Module):
@@ -139,7 +142,7 @@ class EmbeddingLayer(nn.Module):
         """tokens (B, L), positions (B, L) or one for all rows -> (B, L, d_model)."""
         x = self.embeddings(tokens)
         if self.positional is not None:
-            x = x + self.positional(positions, x.dtype, x.device)
+            x = x + self.positional(positions, like=x)
         return self.dropout(x)
 
 
