@@ -130,8 +130,10 @@ def transformer_state_dict(ours: Dict[str, Tensor], args: Namespace, src_pad: in
             if learned in ours:
                 table = m.take(learned)
             else:
+                # in fp32 even from a --fp16 / --bf16 checkpoint: our model computes the
+                # sinusoids, exact, whatever the dtype its weights were saved in
                 table = SinusoidalPositionalEncoding(d, max_positions).table(
-                    ours[f"{side}.embed.embeddings.lut.weight"].dtype, torch.device("cpu"))
+                    torch.float32, torch.device("cpu"))
             # fairseq numbers the positions of real tokens from padding_idx + 1
             m.out[f"{side}.embed_positions.weight"] = torch.cat(
                 [table.new_zeros(pad + 1, d), table], dim=0)

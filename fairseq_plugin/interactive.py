@@ -24,9 +24,11 @@ def checked_make_batches(make_batches):
     @functools.wraps(make_batches)
     def wrapper(lines, cfg, task, max_positions, encode_fn):
         limit = max_positions[0] if isinstance(max_positions, (tuple, list)) else max_positions
-        _, lengths = task.get_interactive_tokens_and_lengths(lines, encode_fn)
+        # with --constraints a line is "source<TAB>constraint<TAB>...": only the source counts
+        sources = [line.split("\t")[0] for line in lines] if cfg.generation.constraints else lines
+        _, lengths = task.get_interactive_tokens_and_lengths(sources, encode_fn)
         keep = []
-        for i, (line, n) in enumerate(zip(lines, lengths)):
+        for i, (line, n) in enumerate(zip(sources, lengths)):
             if not line.strip():
                 sys.stderr.write("fairseq_plugin: skipped an empty input line: nothing to "
                                  "translate\n")

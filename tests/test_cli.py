@@ -219,6 +219,20 @@ def test_interactive_skips_empty_and_over_long_lines_and_goes_on(reverse_run):
             f'(--max-source-positions)') in proc.stderr
 
 
+def test_interactive_with_constraints_measures_only_the_source(reverse_run):
+    """--constraints lines are "source<TAB>constraint": the constraint's tokens are not source."""
+    lines = ["a b c d\te", "a b c d e f\tb"]  # sources of 4 + </s> and 6 + </s> tokens
+    proc = cli("fairseq-interactive", reverse_run["data_bin"], "--user-dir", PLUGIN_DIR,
+               "--path", reverse_run["checkpoint"], "--beam", "5", "--source-lang", "src",
+               "--target-lang", "tgt", "--cpu", "--constraints", "--max-source-positions", "5",
+               input="\n".join(lines) + "\n")
+    hyps = {int(line.split("\t")[0][2:]): line.split("\t")[2]
+            for line in proc.stdout.splitlines() if line.startswith("H-")}
+    assert list(hyps) == [0] and "e" in hyps[0].split()  # translated, holding its constraint
+    assert ('skipped input "a b c d e f": 7 tokens, more than the model\'s 5 '
+            '(--max-source-positions)') in proc.stderr
+
+
 def test_python_api_translates_the_reverse_task_like_fairseq_generate(reverse_run, generated):
     """The hub interface on a model that has learned its task: distinct inputs get distinct
     (correct) outputs, the same as fairseq-generate's."""

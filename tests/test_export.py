@@ -89,6 +89,21 @@ def test_exported_transformer_decodes_the_same_with_its_incremental_state(config
         assert abs(a_score - b_score) < 1e-4
 
 
+@pytest.mark.parametrize("stored", [torch.float16, torch.bfloat16])
+def test_a_checkpoint_saved_in_half_precision_exports_exact_sinusoids(stored):
+    """fairseq saves the weights of --fp16 / --bf16 training in that dtype; our model computes its
+    sinusoids in full precision whatever the checkpoint holds, and so must the export."""
+    src = make_dictionary(40)
+    state = {name: p.to(stored) for name, p in
+             build_tiny_model(src, src, share_all_embeddings=True).state_dict().items()}
+    ours = build_tiny_model(src, src, share_all_embeddings=True)
+    ours.load_state_dict(state)
+    args = transformer_args(ours_args(dict(share_all_embeddings=True)))
+    theirs = models.build_model(args, SimpleNamespace(source_dictionary=src, target_dictionary=src))
+    load_into_transformer(theirs, transformer_state_dict(state, args, src.pad(), src.pad()))
+    assert max_logit_difference(ours.eval(), theirs.eval(), src, src) <= 1e-4
+
+
 def test_a_parameter_without_counterpart_is_refused():
     ours = build_tiny_model()
     state = dict(ours.state_dict())

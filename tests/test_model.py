@@ -103,6 +103,17 @@ def test_post_norm_conflicts_with_normalize_before():
         build_tiny_model(post_norm=True, encoder_normalize_before=True)
 
 
+def test_a_checkpoint_with_parameters_this_model_lacks_is_refused_in_one_line():
+    learned = build_tiny_model(encoder_learned_pos=True).state_dict()
+    sinusoids = build_tiny_model()
+    with pytest.raises(PluginError, match="has encoder.embed.positional.embed.weight, which this "
+                                          "model lacks.* --arch or other flags"):
+        sinusoids.load_state_dict(learned)
+    sinusoids.load_state_dict(learned, strict=False)  # not strict: ignored, as torch does
+    assert torch.equal(sinusoids.encoder.layers[0].self_attn.qkv_proj.weight,
+                       learned["encoder.layers.0.self_attn.qkv_proj.weight"])
+
+
 @pytest.mark.parametrize("flag", ["dropout", "attention_dropout", "activation_dropout"])
 def test_a_dropout_that_is_not_a_probability_is_a_clear_error(flag):
     with pytest.raises(PluginError, match=f"--{flag.replace('_', '-')} 1.0 is not a probability"):
@@ -115,6 +126,17 @@ def test_too_long_source_is_a_clear_error():
     with pytest.raises(PluginError, match="source sentence has 9 tokens .* at most 8 "
                                           r"\(--max-source-positions\)"):
         model.encoder(random_tokens(d, 1, 9))
+
+
+def test_the_position_limits_hold_without_positional_encodings():
+    """As for fairseq's transformer: the flags bound the sentences (training filters, generation's
+    max length) whether or not the model adds positional encodings."""
+    model = build_tiny_model(no_token_positional_embeddings=True, max_source_positions=10,
+                             max_target_positions=12)
+    assert model.encoder.embed.positional is None
+    assert model.max_positions() == (10, 12)
+    with pytest.raises(PluginError, match=r"source sentence has 11 tokens .* at most 10 "):
+        model.encoder(random_tokens(make_dictionary(), 1, 11))
 
 
 def test_a_decoding_step_past_the_target_positions_is_a_clear_error():

@@ -68,7 +68,7 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         self.padding_idx = dictionary.pad()
         self.embed = EmbeddingLayer(
             embeddings, _positional(args, d, args.max_source_positions, args.encoder_learned_pos),
-            args.dropout, side="source")
+            args.dropout, side="source", max_positions=args.max_source_positions)
         self.layers = nn.ModuleList([
             EncoderLayer(
                 d,
@@ -161,7 +161,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         self.padding_idx = dictionary.pad()
         self.embed = EmbeddingLayer(
             embeddings, _positional(args, d, args.max_target_positions, args.decoder_learned_pos),
-            args.dropout, side="target")
+            args.dropout, side="target", max_positions=args.max_target_positions)
         self.layers = nn.ModuleList([
             DecoderLayer(
                 d,
@@ -411,7 +411,7 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         """Refuse, in one line, a checkpoint of another architecture or dictionary size."""
-        check_compatible(self.state_dict(), state_dict)
+        check_compatible(self.state_dict(), state_dict, strict)
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
     def set_beam_size(self, beam_size: int) -> None:
@@ -435,15 +435,18 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
                     module.weight[module.padding_idx].zero_()
 
 
-def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor]) -> None:
-    """Explain why a checkpoint's parameters do not fit this model, or return."""
+def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor],
+                     strict: bool = True) -> None:
+    """Explain why a checkpoint's parameters do not fit this model, or return. Not strict,
+    parameters this model lacks are ignored (as torch's ``load_state_dict`` does)."""
     missing = [k for k in expected if k not in loaded]
-    if missing:
-        unexpected = [k for k in loaded if k not in expected]
+    unexpected = [k for k in loaded if k not in expected]
+    if missing or (unexpected and strict):
+        found = (f"missing {missing[0]}" + (f", has {unexpected[0]} instead" if unexpected else "")
+                 if missing else f"has {unexpected[0]}, which this model lacks")
         raise PluginError(
-            f"the checkpoint does not hold this model's parameters (missing {missing[0]}"
-            + (f", has {unexpected[0]} instead" if unexpected else "")
-            + "); it was trained with another --arch or other flags: load it with those")
+            f"the checkpoint does not hold this model's parameters ({found}); it was trained "
+            f"with another --arch or other flags: load it with those")
     for k, v in expected.items():
         if tuple(loaded[k].shape) != tuple(v.shape):
             if k.endswith("embeddings.lut.weight") or k.endswith("generator.proj.weight"):

@@ -99,21 +99,18 @@ class EmbeddingLayer(nn.Module):
     """
 
     def __init__(self, embeddings: Embeddings, positional: Optional[nn.Module], dropout: float,
-                 side: str):
+                 side: str, max_positions: int):
         super().__init__()
         self.embeddings = embeddings
         self.positional = positional
         self.dropout = Dropout(dropout)
         self.side = side  # "source" or "target", for error messages
-
-    @property
-    def max_positions(self) -> int:
-        """Longest sentence this layer can encode (no limit without positional encodings)."""
-        return self.positional.max_positions if self.positional is not None else int(1e6)
+        # the longest sentence (--max-source/target-positions), with positional encodings or not
+        self.max_positions = max_positions
 
     def positions(self, tokens: Tensor) -> Tensor:
         """Each token's position among its row's real tokens (``positions_of``), (B, L) -> (B, L);
-        a row with more real tokens than the positional encodings cover is an error."""
+        a row with more real tokens than ``max_positions`` is an error."""
         positions = positions_of(tokens, self.embeddings.lut.padding_idx)
         # a row of L tokens has positions below L: only a longer row can exceed the limit, and
         # only then is the device read
