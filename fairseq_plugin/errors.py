@@ -50,6 +50,15 @@ def one_line_error(exc: BaseException):
     return None
 
 
+def exit_in_one_line(command: str, error: PluginError):
+    """For the plugin's own commands (annotated-prepare, ...), inside ``except PluginError``:
+    exit with ``COMMAND: error: <message>``, or re-raise for the full traceback when
+    ``FAIRSEQ_PLUGIN_TRACEBACK=1``."""
+    if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
+        raise error
+    sys.exit(f"{command}: error: {error}")
+
+
 def _print_plugin_errors_as_one_line(previous_hook):
     def hook(exc_type, exc, tb):
         message = one_line_error(exc)

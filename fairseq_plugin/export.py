@@ -45,7 +45,7 @@ from omegaconf import OmegaConf, open_dict
 from torch import Tensor
 
 from .checkpoints import HAS_ALLOWLIST, load_plain
-from .errors import PluginError
+from .errors import PluginError, exit_in_one_line
 from .models.annotated_transformer import resolved_model_config
 from .modules.embeddings import SinusoidalPositionalEncoding
 
@@ -386,7 +386,7 @@ def main(argv=None):
     try:
         export(args.checkpoint, args.output, args.data, args.ctranslate2, args.force)
     except PluginError as e:
-        sys.exit(f"annotated-export-fairseq: error: {e}")
+        exit_in_one_line("annotated-export-fairseq", e)
 
 
 if __name__ == "__main__":

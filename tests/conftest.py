@@ -83,6 +83,16 @@ def cli(name, *args, env=None, check=True, input=None, cwd=None, timeout=900):
     return proc
 
 
+def assert_one_line_error(proc, *fragments):
+    """A failed command whose stderr ends in one line holding every fragment, no traceback."""
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    for f in fragments:
+        assert f in last, last
+    return last
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

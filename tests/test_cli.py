@@ -10,7 +10,8 @@ from fairseq.data import Dictionary
 
 from fairseq_plugin import checkpoints
 from fairseq_plugin.cli import reverse_task
-from conftest import PLUGIN_DIR, REPO, REVERSE_EPOCHS, REVERSE_SEED, cli, preprocess_reverse
+from conftest import (PLUGIN_DIR, REPO, REVERSE_EPOCHS, REVERSE_SEED, assert_one_line_error, cli,
+                      preprocess_reverse)
 
 
 def test_training_logs_noam_rate_and_label_smoothed_loss(reverse_run):
@@ -93,15 +94,6 @@ def test_restore_file_continues_training(reverse_run, tmp_path):
 # ------------------------------------------------------------------------------------------
 # Bad input: one clear line, no traceback
 # ------------------------------------------------------------------------------------------
-
-def assert_one_line_error(proc, *fragments):
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    for f in fragments:
-        assert f in last, last
-    return last
-
 
 def train_quick(data_bin, tmp_path, *extra):
     return cli("fairseq-train", data_bin, "--user-dir", PLUGIN_DIR,

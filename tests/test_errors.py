@@ -10,7 +10,7 @@ import torch
 from fairseq import checkpoint_utils
 
 from fairseq_plugin.errors import TRACEBACK_VARIABLE, PluginError, one_line_error
-from conftest import torch_version
+from conftest import assert_one_line_error, cli, torch_version
 
 RAISE = ("import fairseq_plugin\n"
          "def load():\n"
@@ -42,6 +42,25 @@ def test_a_plugin_error_is_one_line_and_the_traceback_is_there_on_request():
     proc = run_python("load()", **{TRACEBACK_VARIABLE: "1"})
     assert proc.returncode == 1
     assert "Traceback (most recent call last)" in proc.stderr and "in load" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["annotated-prepare", "annotated-average-checkpoints",
+                                     "annotated-export-fairseq", "annotated-evaluate-bleu"])
+def test_the_plugins_own_commands_show_the_traceback_on_request(command, tmp_path):
+    args = {"annotated-prepare": ["-s", "de", "-t", "en", "--raw-dir", tmp_path, "--dest",
+                                  tmp_path / "bin"],
+            "annotated-average-checkpoints": ["--inputs", tmp_path / "a.pt", "--output",
+                                              tmp_path / "avg.pt"],
+            "annotated-export-fairseq": [tmp_path / "a.pt", "--output", tmp_path / "out.pt"],
+            "annotated-evaluate-bleu": [tmp_path, tmp_path / "a.pt"]}[command]
+    proc = cli(command, *args, check=False)
+    assert_one_line_error(proc, f"{command}: error: ")
+    proc = cli(command, *args, check=False, env={**os.environ, TRACEBACK_VARIABLE: "1"})
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "fairseq_plugin.errors.PluginError: " if command != "annotated-prepare" else
+        "fairseq_plugin.cli.prepare.PrepareError: ")
 
 
 def test_an_unrelated_error_while_a_plugin_error_unwinds_keeps_its_traceback():

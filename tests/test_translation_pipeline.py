@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from conftest import PLUGIN_DIR, REPO, cli
+from conftest import PLUGIN_DIR, REPO, assert_one_line_error, cli
 from fairseq_plugin.cli import average_checkpoints, heatmaps
 from fairseq_plugin.cli import evaluate as evaluate_bleu
 from fairseq_plugin.cli import prepare as prepare_translation
@@ -98,6 +98,24 @@ def test_prepare_refuses_missing_and_empty_input_and_a_non_empty_destination(tmp
     with pytest.raises(prepare_translation.PrepareError, match="not empty.*--force"):
         prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "c"), "de", "en", splits)
     assert (tmp_path / "c" / "keep.txt").read_text() == "mine"
+    # --force replaces it only once the input is good: here test.* are still empty
+    with pytest.raises(prepare_translation.PrepareError, match="are empty"):
+        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "c"), "de", "en", splits,
+                                    force=True)
+    assert (tmp_path / "c" / "keep.txt").read_text() == "mine"
+
+
+def test_prepare_refuses_text_that_is_not_utf8_and_too_few_merges(tmp_path):
+    splits = {"train": "train", "valid": "valid", "test": "test"}
+    write_slice(tmp_path / "raw", n_train=50, n_eval=5)
+    (tmp_path / "raw" / "valid.de").write_bytes("Ich bin müde.\n".encode("latin-1") * 5)
+    with pytest.raises(prepare_translation.PrepareError,
+                       match=r"valid.de is not UTF-8 text .*; convert it, e.g. iconv -f latin1"):
+        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "a"), "de", "en", splits)
+    with pytest.raises(prepare_translation.PrepareError, match="--bpe-merges 0: give a number"):
+        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "b"), "de", "en", splits,
+                                    bpe_merges=0)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +157,25 @@ def test_short_run_generates_and_scores_with_sacrebleu(trained):
     proc = cli("annotated-evaluate-bleu", w / "bin", ckpt / "checkpoint_last.pt", "--examples", "0",
                "--subset", "valid", "--lenpen", "1.5")
     assert "(valid, beam 5, lenpen 1.5, " in proc.stdout
+
+
+def test_evaluation_refuses_bad_input_in_one_line_and_keeps_earlier_outputs(trained, tmp_path):
+    w, _ = trained
+    proc = cli("annotated-evaluate-bleu", w / "bin", tmp_path / "checkpoint_bst.pt", check=False)
+    assert_one_line_error(proc, f"annotated-evaluate-bleu: error: no checkpoint "
+                                f"{tmp_path}/checkpoint_bst.pt; give the path of a .pt file")
+    proc = cli("annotated-evaluate-bleu", tmp_path, w / "checkpoints" / "checkpoint_last.pt",
+               check=False)
+    assert_one_line_error(proc, f"annotated-evaluate-bleu: error: {tmp_path} has no prepare.json")
+    # fairseq-generate fails on a file that is no checkpoint: the earlier outputs stay
+    (tmp_path / "broken.pt").write_bytes(b"not a checkpoint")
+    for name in ("generate-test.txt", "generate-test.log"):
+        (tmp_path / name).write_text("an earlier run's")
+    proc = cli("annotated-evaluate-bleu", w / "bin", tmp_path / "broken.pt", check=False)
+    assert_one_line_error(proc, "annotated-evaluate-bleu: error: fairseq-generate failed (exit 1); "
+                                f"see {tmp_path}/generate-test.new.log")
+    for name in ("generate-test.txt", "generate-test.log"):
+        assert (tmp_path / name).read_text() == "an earlier run's"
 
 
 def test_averaging_two_checkpoints_gives_the_mean_and_still_generates(trained, tmp_path):

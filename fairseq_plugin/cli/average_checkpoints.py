@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from ..errors import PluginError
+from ..errors import PluginError, exit_in_one_line
 
 
 def _arch(state):
@@ -131,7 +131,7 @@ def main(argv=None):
         torch.save(state, tmp)
         os.replace(tmp, args.output)  # never leave a half-written checkpoint
     except PluginError as e:
-        sys.exit(f"annotated-average-checkpoints: error: {e}")
+        exit_in_one_line("annotated-average-checkpoints", e)
     print(f"averaged {len(paths)} checkpoints into {args.output}:")
     for path in paths:
         print(f"  {path}")

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 
+from ..errors import PluginError, exit_in_one_line
 from .common import fairseq_cli, plugin_dir, run
 
 
@@ -24,9 +25,11 @@ def generate_detokenised(data_bin, checkpoint, beam=5, max_tokens=4096, subset="
                          extra=(), echo=print):
     """Run fairseq-generate, echoing a progress line per batch; return {sentence id:
     detokenised hypothesis}. Its output and log go next to the checkpoint
-    (generate-SUBSET.txt, generate-SUBSET.log)."""
-    with open(os.path.join(data_bin, "prepare.json")) as f:
-        settings = json.load(f)
+    (generate-SUBSET.txt, generate-SUBSET.log), replacing earlier ones only once it succeeds."""
+    settings = prepared_settings(data_bin)
+    if not os.path.isfile(checkpoint):
+        raise PluginError(f"no checkpoint {checkpoint}; give the path of a .pt file that "
+                          f"fairseq-train wrote (e.g. CHECKPOINTS/checkpoint_best.pt)")
     cmd = [fairseq_cli("fairseq-generate"), data_bin,
            "--user-dir", plugin_dir(), "--path", checkpoint, "--gen-subset", subset,
            "--source-lang", settings["source_lang"], "--target-lang", settings["target_lang"],
@@ -37,7 +40,10 @@ def generate_detokenised(data_bin, checkpoint, beam=5, max_tokens=4096, subset="
            "--bpe-codes", os.path.join(data_bin, settings["bpe_codes"]),
            "--log-format", "simple", "--log-interval", "1", *extra]
     stem = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), f"generate-{subset}")
-    run(cmd, stem + ".log", output_path=stem + ".txt", echo=echo)
+    # a failed run leaves its log as .new.log (named in the error) and the earlier outputs intact
+    run(cmd, stem + ".new.log", output_path=stem + ".new.txt", echo=echo)
+    for suffix in (".log", ".txt"):
+        os.replace(stem + ".new" + suffix, stem + suffix)
     hyps = {}
     with open(stem + ".txt", encoding="utf-8") as f:
         lines = f.read().splitlines()
@@ -46,6 +52,16 @@ def generate_detokenised(data_bin, checkpoint, beam=5, max_tokens=4096, subset="
             idx, _score, text = line.split("\t", 2)
             hyps[int(idx[2:])] = text
     return hyps, settings
+
+
+def prepared_settings(data_bin):
+    """The settings annotated-prepare recorded in DATA_BIN/prepare.json (languages, BPE codes)."""
+    path = os.path.join(data_bin, "prepare.json")
+    if not os.path.isfile(path):
+        raise PluginError(f"{data_bin} has no prepare.json: give a data-bin made by "
+                          f"annotated-prepare, whose BPE codes and raw references BLEU needs")
+    with open(path) as f:
+        return json.load(f)
 
 
 def score(data_bin, hyps, settings, subset="test"):
@@ -57,8 +73,9 @@ def score(data_bin, hyps, settings, subset="test"):
 
     sources, refs = lines(settings["source_lang"]), lines(settings["target_lang"])
     if len(hyps) != len(refs):
-        raise SystemExit(f"annotated-evaluate-bleu: error: {len(hyps)} hypotheses for {len(refs)} "
-                         f"references")
+        raise PluginError(f"{len(hyps)} hypotheses for {len(refs)} references in "
+                          f"{data_bin}/raw/{subset}.{settings['target_lang']}: the data-bin's "
+                          f"binarised and raw {subset} sets differ; prepare it again")
     ordered = [hyps[i] for i in range(len(refs))]
     bleu = sacrebleu.metrics.BLEU()
     result = bleu.corpus_score(ordered, [refs])
@@ -76,11 +93,14 @@ def main(argv=None):
     p.add_argument("--examples", type=int, default=5)
     p.add_argument("--output", help="write the detokenised hypotheses here")
     args = p.parse_args(argv)
-    hyps, settings = generate_detokenised(args.data_bin, args.checkpoint, args.beam,
-                                          subset=args.subset,
-                                          extra=["--lenpen", str(args.lenpen)],
-                                          echo=functools.partial(print, file=sys.stderr))
-    result, signature, triples = score(args.data_bin, hyps, settings, args.subset)
+    try:
+        hyps, settings = generate_detokenised(args.data_bin, args.checkpoint, args.beam,
+                                              subset=args.subset,
+                                              extra=["--lenpen", str(args.lenpen)],
+                                              echo=functools.partial(print, file=sys.stderr))
+        result, signature, triples = score(args.data_bin, hyps, settings, args.subset)
+    except PluginError as e:
+        exit_in_one_line("annotated-evaluate-bleu", e)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.writelines(h + "\n" for _, _, h in triples)

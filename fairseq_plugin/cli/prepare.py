@@ -24,7 +24,7 @@ import shutil
 import sys
 import urllib.request
 
-from ..errors import PluginError
+from ..errors import PluginError, exit_in_one_line
 from .common import Progress, fairseq_cli, progress, run
 
 # name -> languages, split prefixes, download (url template by file) or bundled directory
@@ -83,7 +83,11 @@ def read_parallel(raw_dir, prefix, src, tgt):
     sides = []
     for path in paths:
         with open_text(path) as f:
-            sides.append([" ".join(line.split()) for line in f])  # tabs, edge spaces -> one space
+            try:
+                sides.append([" ".join(line.split()) for line in f])  # tabs, edges -> one space
+            except UnicodeDecodeError as e:
+                raise PrepareError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start} of a "
+                                   f"line); convert it, e.g. iconv -f latin1 -t utf-8") from e
     if len(sides[0]) != len(sides[1]):
         raise PrepareError(f"{paths[0]} has {len(sides[0])} lines but {paths[1]} has "
                            f"{len(sides[1])}: parallel files must be aligned line by line")
@@ -225,13 +229,16 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
     from subword_nmt.apply_bpe import BPE
     from subword_nmt.learn_bpe import learn_bpe
 
-    if os.path.isdir(dest) and os.listdir(dest):
-        if not force:
-            raise PrepareError(f"{dest} is not empty; choose another --dest or pass --force to "
-                               f"replace it")
-        shutil.rmtree(dest)
+    if bpe_merges < 1:
+        raise PrepareError(f"--bpe-merges {bpe_merges}: give a number of merges of at least 1")
+    replace = os.path.isdir(dest) and os.listdir(dest)
+    if replace and not force:
+        raise PrepareError(f"{dest} is not empty; choose another --dest or pass --force to "
+                           f"replace it")
     langs = (source_lang, target_lang)
     data = {split: read_parallel(raw_dir, prefix, *langs) for split, prefix in splits.items()}
+    if replace:  # only once the input is known to be good
+        shutil.rmtree(dest)
     text, raw = os.path.join(dest, "text"), os.path.join(dest, "raw")
     os.makedirs(text)
     os.makedirs(raw)
@@ -322,7 +329,7 @@ def main(argv=None):
         settings = prepare(raw_dir, args.dest, src, tgt, splits, args.bpe_merges, args.workers,
                            args.force)
     except PluginError as e:
-        sys.exit(f"annotated-prepare: error: {e}")
+        exit_in_one_line("annotated-prepare", e)
     print(f"prepared {args.dest}: " + ", ".join(f"{s} {n} pairs"
                                                  for s, n in settings["splits"].items()))
 

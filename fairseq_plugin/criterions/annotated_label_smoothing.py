@@ -23,6 +23,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 from torch import Tensor
 
+from ..errors import PluginError
+
 
 def _xlogx(x: float) -> float:
     return x * math.log(x) if x > 0 else 0.0
@@ -65,6 +67,13 @@ class AnnotatedLabelSmoothingConfig(LabelSmoothedCrossEntropyCriterionConfig):
 @register_criterion("annotated_label_smoothing", dataclass=AnnotatedLabelSmoothingConfig)
 class AnnotatedLabelSmoothingCriterion(LabelSmoothedCrossEntropyCriterion):
     """fairseq's label-smoothed criterion with the Annotated Transformer's KL loss."""
+
+    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
+                 report_accuracy=False):
+        if not 0.0 <= label_smoothing < 1.0:
+            raise PluginError(f"--label-smoothing {label_smoothing} is not in [0, 1): it is the "
+                              f"probability moved from the gold token to the others (e.g. 0.1)")
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
 
     def compute_loss(self, model, net_output, sample, reduce=True):
         lprobs, target = self.get_lprobs_and_target(model, net_output, sample)

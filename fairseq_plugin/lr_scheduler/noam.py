@@ -47,6 +47,12 @@ class NoamSchedule(FairseqLRScheduler):
         if cfg.warmup_updates <= 0:
             raise PluginError(f"--warmup-updates must be positive for the noam schedule, "
                               f"got {cfg.warmup_updates}")
+        if cfg.noam_factor <= 0:
+            raise PluginError(f"--noam-factor must be positive (it multiplies the whole rate), "
+                              f"got {cfg.noam_factor}")
+        if cfg.noam_model_dim is not None and cfg.noam_model_dim <= 0:
+            raise PluginError(f"--noam-model-dim must be positive (d_model in the formula), got "
+                              f"{cfg.noam_model_dim}; or leave it out to use the model's")
         self.model_dim = cfg.noam_model_dim or model_dim_of_the_training(cfg)
         if not self.model_dim:
             raise PluginError("the noam schedule needs d_model and the model configuration has no "

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from ..errors import PluginError
 from ..modules.attention import IncrementalState, MultiHeadedAttention
 from ..modules.cache import Ancestry, BeamReorder, repeats_rows
+from ..modules.dropout import is_drop_probability
 from ..modules.embeddings import (
     EmbeddingLayer,
     Embeddings,
@@ -381,9 +382,9 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         args = cls.options(cfg)
         _check_layer_norm_flags(args)
         for flag in ("dropout", "attention_dropout", "activation_dropout"):
-            if not 0.0 <= getattr(args, flag) < 1.0:
+            if not is_drop_probability(getattr(args, flag)):
                 raise PluginError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not a "
-                                  "probability in [0, 1); use e.g. 0.1")
+                                  "probability in [0, 1 - 2^-16); use e.g. 0.1")
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
         scale = not args.no_scale_embedding
         if args.share_all_embeddings:

@@ -28,6 +28,11 @@ def rounded_drop_probability(p: float) -> float:
     return round(p * _LEVELS) / _LEVELS
 
 
+def is_drop_probability(p: float) -> bool:
+    """0 <= p < 1, also once rounded for the CPU mask (p within 2^-16 of 1 rounds to 1)."""
+    return 0.0 <= p and rounded_drop_probability(p) < 1.0
+
+
 def keep_mask(shape: torch.Size, p: float, device=None) -> Tensor:
     """Booleans of ``shape``, each True (kept) with probability 1 - rounded_drop_probability(p)."""
     n = shape.numel()
@@ -55,8 +60,8 @@ class Dropout(nn.Module):
 
     def __init__(self, p: float = 0.1):
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise PluginError(f"dropout probability {p} is not in [0, 1)")
+        if not is_drop_probability(p):
+            raise PluginError(f"dropout probability {p} is not in [0, 1 - 2^-16)")
         self.p = p
 
     def forward(self, x: Tensor) -> Tensor:
