@@ -92,3 +92,9 @@ def test_the_launcher_has_help_and_names_a_missing_command_in_one_line(capsys):
     assert error_exit.value.code == 2
     assert err[-1].endswith("error: give the command after --, e.g. annotated-launch-cpu-ranks "
                             "--nprocs 2 -- fairseq-train DATA --arch ...")
+    with pytest.raises(SystemExit) as error_exit:
+        launch_cpu_ranks.main(["--nprocs", "2", "--", "fairseq-trian", "DATA"])
+    assert error_exit.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: fairseq-trian: no such command; check its spelling (e.g. fairseq-train) and that "
+        "its environment is active")

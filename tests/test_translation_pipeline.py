@@ -225,6 +225,21 @@ def test_averaging_refuses_to_overwrite_and_to_average_too_few(trained, tmp_path
     assert existing.read_text() == "precious"
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--inputs", "{tmp}/ckpts", "--num-epoch-checkpoints", "5"],
+     "--num-epoch-checkpoints: {tmp}/ckpts is no directory; give the --save-dir"),
+    (["--inputs", "{tmp}"], "{tmp} is a directory: add --num-epoch-checkpoints N"),
+    (["--inputs", "{tmp}", "--num-epoch-checkpoints", "0"],
+     "--num-epoch-checkpoints 0: average at least 1 checkpoint"),
+    (["--inputs", "{tmp}", "--num-update-checkpoints", "-2"],
+     "--num-update-checkpoints -2: average at least 1 checkpoint")])
+def test_averaging_explains_a_directory_or_count_it_cannot_use(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        average_checkpoints.main([a.format(tmp=tmp_path) for a in args]
+                                 + ["--output", str(tmp_path / "avg.pt")])
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_python_api_translates_like_fairseq_generate(prepared, trained):
     from fairseq_plugin import AnnotatedTransformerModel
 
@@ -291,6 +306,21 @@ def test_attention_heatmaps_are_pngs_of_rows_summing_to_one(prepared, trained, t
     assert sorted(os.path.basename(p) for p in some) == [
         "decoder_self_layer1_head0.png", "decoder_source_layer1_head0.png",
         "encoder_self_layer1_head0.png"]
+
+
+@pytest.mark.parametrize("sentence, extra, message", [
+    ("   ", [], "the sentence is empty"),
+    ("Tom öffnete das Bier.", ["--layers", "2"], "--layers 2: this model has layers 0 to 1"),
+    ("Tom öffnete das Bier.", ["--heads", "x"], "--heads x: give comma-separated numbers"),
+    ("Tom öffnete das Bier.", ["--heads", "0,4"], "--heads 0,4: this model has heads 0 to 3")])
+def test_heatmaps_refuse_an_empty_sentence_and_layers_or_heads_the_model_lacks(
+        prepared, trained, tmp_path, sentence, extra, message):
+    w, _ = prepared
+    _, ckpt = trained
+    proc = cli("annotated-attention-heatmaps", w / "bin", ckpt / "checkpoint_last.pt", sentence,
+               "--out-dir", tmp_path / "maps", *extra, check=False)
+    assert_one_line_error(proc, f"annotated-attention-heatmaps: error: {message}")
+    assert not (tmp_path / "maps").exists()
 
 
 def test_no_valid_or_test_sentence_of_the_bundled_sample_occurs_in_its_training_data():

@@ -117,11 +117,22 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     try:
-        n = args.num_epoch_checkpoints or args.num_update_checkpoints
+        by_update = args.num_update_checkpoints is not None
+        n = args.num_update_checkpoints if by_update else args.num_epoch_checkpoints
+        directories = [path for path in args.inputs if os.path.isdir(path)]
         if n is not None:
-            if len(args.inputs) != 1 or not os.path.isdir(args.inputs[0]):
-                p.error("--num-*-checkpoints takes one directory in --inputs")
-            paths = last_checkpoints(args.inputs[0], n, by_update=bool(args.num_update_checkpoints))
+            flag = "--num-update-checkpoints" if by_update else "--num-epoch-checkpoints"
+            if n < 1:
+                p.error(f"{flag} {n}: average at least 1 checkpoint")
+            if len(args.inputs) != 1:
+                p.error(f"{flag} takes one directory in --inputs, not {len(args.inputs)} paths")
+            if not directories:
+                p.error(f"{flag}: {args.inputs[0]} is no directory; give the --save-dir of "
+                        f"the training")
+            paths = last_checkpoints(args.inputs[0], n, by_update)
+        elif directories:
+            p.error(f"{directories[0]} is a directory: add --num-epoch-checkpoints N or "
+                    f"--num-update-checkpoints N to average its last N checkpoints")
         else:
             paths = args.inputs
         if os.path.exists(args.output) and not args.force:

@@ -13,8 +13,8 @@ heads by default). Rows are queries, columns the keys they attend to; each row s
 import argparse
 import json
 import os
-import sys
 
+from ..errors import PluginError, exit_in_one_line
 
 KINDS = {  # file prefix -> (which stack, attention module inside a layer)
     "encoder_self": ("encoder", "self_attn"),
@@ -103,6 +103,17 @@ def write_heatmaps(hub, sentence, out_dir, layers=None, heads=None, beam=5, **ge
     return translation, drawn
 
 
+def numbers(flag: str, text: str, available: int) -> set:
+    """--layers / --heads "0,2" as {0, 2}; each must be below ``available``."""
+    try:
+        chosen = {int(x) for x in text.split(",")}
+    except ValueError:
+        raise PluginError(f"{flag} {text}: give comma-separated numbers, e.g. {flag} 0,1")
+    if not all(0 <= n < available for n in chosen):
+        raise PluginError(f"{flag} {text}: this model has {flag[2:]} 0 to {available - 1}")
+    return chosen
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -115,13 +126,23 @@ def main(argv=None):
     p.add_argument("--heads", help="comma-separated head numbers from 0 (default: all)")
     p.add_argument("--beam", type=int, default=5)
     args = p.parse_args(argv)
-    pick = lambda s: None if s is None else {int(x) for x in s.split(",")}  # noqa: E731
-    if not os.path.exists(os.path.join(args.data_bin, "prepare.json")):
-        sys.exit(f"annotated-attention-heatmaps: error: {args.data_bin} has no prepare.json; give a "
-                 f"directory made by annotated-prepare")
-    hub = load_hub(args.data_bin, args.checkpoint)
-    translation, drawn = write_heatmaps(hub, args.sentence, args.out_dir, pick(args.layers),
-                                        pick(args.heads), args.beam)
+    try:
+        if not args.sentence.strip():
+            raise PluginError("the sentence is empty; give the text to translate in quotes")
+        if not os.path.exists(os.path.join(args.data_bin, "prepare.json")):
+            raise PluginError(f"{args.data_bin} has no prepare.json; give a directory made by "
+                              f"annotated-prepare")
+        hub = load_hub(args.data_bin, args.checkpoint)
+        model = hub.models[0]
+        stacks = (model.encoder.layers, model.decoder.layers)
+        layers = None if args.layers is None else numbers(
+            "--layers", args.layers, max(len(stack) for stack in stacks))
+        heads = None if args.heads is None else numbers(
+            "--heads", args.heads, max(layer.self_attn.h for stack in stacks for layer in stack))
+        translation, drawn = write_heatmaps(hub, args.sentence, args.out_dir, layers, heads,
+                                            args.beam)
+    except PluginError as e:
+        exit_in_one_line("annotated-attention-heatmaps", e)
     print(f"translation: {translation}\nwrote {len(drawn)} heat-maps to {args.out_dir}")
 
 

@@ -15,6 +15,7 @@ are stopped and the exit status is the failed rank's.
 
 import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -94,6 +95,9 @@ def main(argv=None):
                 "fairseq-train DATA --arch ...")
     if args.nprocs < 1:
         p.error("--nprocs must be at least 1")
+    if shutil.which(command[0]) is None:
+        p.error(f"{command[0]}: no such command; check its spelling (e.g. fairseq-train) and "
+                f"that its environment is active")
     sys.exit(launch(command, args.nprocs, args.log_dir, args.port, args.threads))
 
 
