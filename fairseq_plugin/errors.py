@@ -50,6 +50,31 @@ def one_line_error(exc: BaseException):
     return None
 
 
+def missing_path_message(exc: BaseException):
+    """A fairseq command's missing file (a misspelled data-bin, checkpoint or language) as one
+    line naming it and, where its folder exists, what that folder holds of its kind; or None."""
+    if type(exc) is OSError and str(exc).startswith("Model file not found"):
+        return f"{exc}; check --path"  # fairseq's checkpoint loading raises this
+    if not isinstance(exc, FileNotFoundError):
+        return None
+    if not exc.filename:
+        return f"{exc}; check the data-bin path, the split's name and the language flags"
+    path = str(exc.filename)
+    message = f"no such file or directory: {path}"
+    folder, kind = os.path.dirname(path), os.path.basename(path).split(".")[0] + "."
+    if folder and os.path.isdir(folder):
+        held = sorted(name for name in os.listdir(folder) if name.startswith(kind))
+        if held:
+            message += f" ({folder} holds {', '.join(held[:6])}{', ...' if held[6:] else ''})"
+    if kind == "dict.":  # fairseq looks for DATA_BIN/dict.LANG.txt
+        return message + "; check the path and --source-lang / --target-lang"
+    return message + "; check the path"
+
+
+def _running_a_fairseq_command() -> bool:
+    return os.path.basename(sys.argv[0] if sys.argv else "").startswith("fairseq-")
+
+
 def exit_in_one_line(command: str, error: PluginError):
     """For the plugin's own commands (annotated-prepare, ...), inside ``except PluginError``:
     exit with ``COMMAND: error: <message>``, or re-raise for the full traceback when
@@ -62,6 +87,8 @@ def exit_in_one_line(command: str, error: PluginError):
 def _print_plugin_errors_as_one_line(previous_hook):
     def hook(exc_type, exc, tb):
         message = one_line_error(exc)
+        if message is None and _running_a_fairseq_command():
+            message = missing_path_message(exc)
         if message is not None and os.environ.get(TRACEBACK_VARIABLE, "") in ("", "0"):
             sys.stderr.write(f"fairseq_plugin: error: {message}\n")
             sys.stderr.flush()

@@ -109,6 +109,26 @@ def test_heads_not_dividing_d_model_fail_with_one_line(reverse_run, tmp_path):
     assert "e.g. 4" in line
 
 
+def test_a_missing_data_bin_language_or_checkpoint_fails_with_one_line_naming_it(reverse_run,
+                                                                                 tmp_path):
+    data_bin = reverse_run["data_bin"]
+    proc = train_quick(tmp_path / "bni", tmp_path)
+    assert_one_line_error(proc, f"fairseq_plugin: error: no such file or directory: "
+                                f"{tmp_path}/bni; check the path")
+    proc = train_quick(data_bin, tmp_path, "--source-lang", "de", "--target-lang", "en")
+    assert_one_line_error(proc, f"no such file or directory: {data_bin}/dict.de.txt ({data_bin} "
+                                f"holds dict.src.txt, dict.tgt.txt); check the path and "
+                                f"--source-lang / --target-lang")
+    proc = cli("fairseq-generate", data_bin, "--user-dir", PLUGIN_DIR, "--cpu",
+               "--path", tmp_path / "checkpont_best.pt", check=False)
+    assert_one_line_error(proc, f"fairseq_plugin: error: Model file not found: "
+                                f"{tmp_path}/checkpont_best.pt; check --path")
+    proc = cli("fairseq-generate", data_bin, "--user-dir", PLUGIN_DIR, "--cpu",
+               "--path", reverse_run["checkpoint"], "--gen-subset", "tst", check=False)
+    assert_one_line_error(proc, f"fairseq_plugin: error: Dataset not found: tst ({data_bin}); "
+                                f"check the data-bin path, the split's name")
+
+
 def test_unknown_preset_fails_with_one_line(reverse_run, tmp_path):
     proc = train_quick(reverse_run["data_bin"], tmp_path, "--arch", "annotated_transformer_huge")
     assert_one_line_error(proc, "invalid choice: 'annotated_transformer_huge'",

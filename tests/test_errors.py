@@ -63,6 +63,14 @@ def test_the_plugins_own_commands_show_the_traceback_on_request(command, tmp_pat
         "fairseq_plugin.cli.prepare.PrepareError: ")
 
 
+def test_a_missing_file_is_one_line_only_in_fairseqs_commands():
+    """In fairseq-train & co. (tests/test_cli.py) a missing path is one line; a program of the
+    user's that imports the plugin keeps its traceback."""
+    proc = run_python("open('/no/such/file.txt')")
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "FileNotFoundError" in proc.stderr
+
+
 def test_an_unrelated_error_while_a_plugin_error_unwinds_keeps_its_traceback():
     proc = run_python("try:\n    load()\nexcept fairseq_plugin.PluginError:\n    {}['missing']")
     assert "Traceback (most recent call last)" in proc.stderr
