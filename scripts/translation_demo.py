@@ -8,12 +8,14 @@ Every command is printed; full logs go to WORK_DIR/*.log.
 """
 
 import argparse
+import json
 import os
 import time
 
 from fairseq_plugin.cli import evaluate as evaluate_bleu
 from fairseq_plugin.cli import prepare as prepare_translation
 from fairseq_plugin.cli.common import fairseq_cli, fairseq_validation, plugin_dir, run
+from fairseq_plugin.errors import PluginError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,6 +31,22 @@ TRAINING = ["--criterion", "annotated_label_smoothing", "--label-smoothing", "0.
 BPE_MERGES = 6000
 
 
+def check_work_dir(data_bin):
+    """The demo replaces WORK_DIR/data-bin only where an earlier run of the demo made it."""
+    if not os.path.isdir(data_bin) or not os.listdir(data_bin):
+        return
+    try:
+        with open(os.path.join(data_bin, "prepare.json")) as f:
+            settings = json.load(f)
+        ours = (settings["source_lang"], settings["target_lang"], settings["bpe_merges"]) == (
+            "de", "en", BPE_MERGES)
+    except (OSError, ValueError, KeyError):
+        ours = False
+    if not ours:
+        raise PluginError(f"{data_bin} holds something other than this demo's data, which the "
+                          f"demo would replace; choose another --work-dir")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work-dir", default="work/tatoeba")
@@ -38,6 +56,7 @@ def main(argv=None):
 
     w = os.path.abspath(args.work_dir)
     data_bin, ckpt = os.path.join(w, "data-bin"), os.path.join(w, "checkpoints")
+    check_work_dir(data_bin)
     os.makedirs(w, exist_ok=True)
     start = time.time()
 

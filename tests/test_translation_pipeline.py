@@ -4,6 +4,7 @@ sacreBLEU, checkpoint averaging — on a small slice of the bundled Tatoeba samp
 import contextlib
 import gzip
 import io
+import json
 import os
 import re
 
@@ -321,6 +322,21 @@ def test_heatmaps_refuse_an_empty_sentence_and_layers_or_heads_the_model_lacks(
                "--out-dir", tmp_path / "maps", *extra, check=False)
     assert_one_line_error(proc, f"annotated-attention-heatmaps: error: {message}")
     assert not (tmp_path / "maps").exists()
+
+
+def test_the_demo_replaces_only_a_data_bin_an_earlier_demo_made(tmp_path):
+    import runpy
+
+    demo = runpy.run_path(os.path.join(REPO, "scripts", "translation_demo.py"))
+    data_bin = tmp_path / "work" / "data-bin"
+    data_bin.mkdir(parents=True)
+    (data_bin / "notes.txt").write_text("mine")
+    with pytest.raises(PluginError, match="holds something other than this demo's data"):
+        demo["main"](["--work-dir", str(tmp_path / "work")])
+    assert (data_bin / "notes.txt").read_text() == "mine"
+    (data_bin / "prepare.json").write_text(json.dumps(
+        {"source_lang": "de", "target_lang": "en", "bpe_merges": demo["BPE_MERGES"]}))
+    demo["check_work_dir"](str(data_bin))  # an earlier demo's: replaced without a question
 
 
 def test_no_valid_or_test_sentence_of_the_bundled_sample_occurs_in_its_training_data():
