@@ -50,9 +50,13 @@ def one_line_error(exc: BaseException):
     return None
 
 
-def missing_path_message(exc: BaseException):
+def bad_input_message(exc: BaseException):
     """A fairseq command's missing file (a misspelled data-bin, checkpoint or language) as one
-    line naming it and, where its folder exists, what that folder holds of its kind; or None."""
+    line naming it and, where its folder exists, what that folder holds of its kind; an input
+    that is not UTF-8; or None."""
+    if isinstance(exc, UnicodeDecodeError):
+        return (f"the input is not UTF-8 text ({exc.reason}: byte {exc.object[exc.start]:#x}); "
+                f"convert it, e.g. iconv -f latin1 -t utf-8")
     if type(exc) is OSError and str(exc).startswith("Model file not found"):
         return f"{exc}; check --path"  # fairseq's checkpoint loading raises this
     if not isinstance(exc, FileNotFoundError):
@@ -88,7 +92,7 @@ def _print_plugin_errors_as_one_line(previous_hook):
     def hook(exc_type, exc, tb):
         message = one_line_error(exc)
         if message is None and _running_a_fairseq_command():
-            message = missing_path_message(exc)
+            message = bad_input_message(exc)
         if message is not None and os.environ.get(TRACEBACK_VARIABLE, "") in ("", "0"):
             sys.stderr.write(f"fairseq_plugin: error: {message}\n")
             sys.stderr.flush()
@@ -109,13 +113,22 @@ def report_unknown_options_in_one_line():
     """fairseq-train and fairseq-hydra-train merge each configuration group (model, criterion,
     lr_scheduler, ...) with its config dataclass in ``add_defaults`` right after importing the
     user dir; a misspelled key there is an omegaconf ConfigKeyError at the end of a long
-    traceback. Wrap that step so it becomes a PluginError naming the option (idempotent)."""
+    traceback, and an unknown ``model._name`` (a YAML's or an override's) a KeyError from fairseq's
+    own error message. Wrap that step so each becomes a PluginError naming it (idempotent)."""
     train = sys.modules.get("fairseq_cli.train")
     if train is None or getattr(train.add_defaults, "fairseq_plugin_hook", False):
         return
     merge_with_dataclasses = train.add_defaults
 
     def add_defaults(cfg):
+        from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_REGISTRY
+
+        model = cfg.get("model")
+        name = model if isinstance(model, str) else getattr(model, "_name", None)
+        if isinstance(name, str) and ARCH_MODEL_NAME_REGISTRY.get(name, name) not in MODEL_REGISTRY:
+            presets = sorted(a for a in ARCH_MODEL_NAME_REGISTRY if a.startswith("annotated_"))
+            raise PluginError(f"unknown model model._name={name}; the annotated_transformer "
+                              f"presets are {', '.join(presets)}")
         try:
             return merge_with_dataclasses(cfg)
         except ConfigKeyError as e:

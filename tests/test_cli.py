@@ -129,6 +129,15 @@ def test_a_missing_data_bin_language_or_checkpoint_fails_with_one_line_naming_it
                                 f"check the data-bin path, the split's name")
 
 
+def test_interactive_input_that_is_not_utf8_fails_with_one_line(reverse_run, tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("a b c\nd ü e\n".encode("latin-1"))
+    proc = cli("fairseq-interactive", reverse_run["data_bin"], "--user-dir", PLUGIN_DIR,
+               "--path", reverse_run["checkpoint"], "--input", tmp_path / "latin1.txt", "--cpu",
+               check=False)
+    assert_one_line_error(proc, "fairseq_plugin: error: the input is not UTF-8 text (invalid "
+                                "start byte: byte 0xfc); convert it, e.g. iconv -f latin1")
+
+
 def test_unknown_preset_fails_with_one_line(reverse_run, tmp_path):
     proc = train_quick(reverse_run["data_bin"], tmp_path, "--arch", "annotated_transformer_huge")
     assert_one_line_error(proc, "invalid choice: 'annotated_transformer_huge'",

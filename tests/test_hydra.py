@@ -153,6 +153,9 @@ def assert_last_words(proc, message):
      "'label_smothing'"),
     ("+lr_scheduler.warmup=3", "unknown option lr_scheduler.warmup: NoamConfig has no field "
                                "'warmup'"),
+    ("model._name=annotated_transformer_huge", "unknown model "
+     "model._name=annotated_transformer_huge; the annotated_transformer presets are "
+     "annotated_transformer, annotated_transformer_big, "),
     # hydra's own refusal, before anything of fairseq's runs
     ("model.encoder_layer=1", "Could not override 'model.encoder_layer'"),
 ])
