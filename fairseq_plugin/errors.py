@@ -2,8 +2,10 @@
 
 Errors the user can fix (a bad flag combination, a sentence that is too long, a checkpoint that
 cannot be read) raise :class:`PluginError`; fairseq's own "sentence too long" error already names
-its fix and gets the same treatment. Library callers get a normal exception; on the command line
-(fairseq-train, fairseq-generate, ...) the hook below prints only
+its fix and gets the same treatment, and so, in fairseq's own commands only, do a missing file
+(a misspelled data-bin, dictionary, split or checkpoint) and input that is not UTF-8. Library
+callers get a normal exception; on the command line (fairseq-train, fairseq-generate, ...) the
+hook below prints only
 ``fairseq_plugin: error: <what is wrong and how to fix it>`` instead of a traceback, and exits
 with status 1. ``FAIRSEQ_PLUGIN_TRACEBACK=1`` in the environment shows the full traceback instead.
 fairseq-hydra-train reports errors itself: it prints a PluginError's message alone (a
