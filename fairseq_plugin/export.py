@@ -35,7 +35,6 @@ import contextlib
 import copy
 import os
 import shutil
-import sys
 import tempfile
 from argparse import Namespace
 from typing import Dict, Optional

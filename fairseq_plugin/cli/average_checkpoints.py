@@ -16,7 +16,6 @@ import argparse
 import collections
 import os
 import re
-import sys
 
 import torch
 
