@@ -1,5 +1,6 @@
 """Shared by the commands and demos: the plugin's location and running fairseq's CLIs."""
 
+import json
 import os
 import re
 import shlex
@@ -28,6 +29,16 @@ def fairseq_cli(name: str) -> str:
         raise PluginError(f"{name} is neither next to {sys.executable} nor on PATH: install "
                           "fairseq into this Python, or put the folder of its scripts on PATH")
     return found
+
+
+def prepared_settings(data_bin):
+    """The settings annotated-prepare recorded in DATA_BIN/prepare.json (languages, BPE codes)."""
+    path = os.path.join(data_bin, "prepare.json")
+    if not os.path.isfile(path):
+        raise PluginError(f"{data_bin} has no prepare.json: give a data-bin made by "
+                          f"annotated-prepare (it records the languages, BPE codes and raw text)")
+    with open(path) as f:
+        return json.load(f)
 
 
 _PROGRESS = re.compile(r"epoch (\d+):\s+(\d+) / (\d+) .*?\bups=([\d.]+)")

@@ -13,12 +13,11 @@ Choose --lenpen on --subset valid, then report test with it.
 
 import argparse
 import functools
-import json
 import os
 import sys
 
 from ..errors import PluginError, exit_in_one_line
-from .common import fairseq_cli, plugin_dir, run
+from .common import fairseq_cli, plugin_dir, prepared_settings, run
 
 
 def generate_detokenised(data_bin, checkpoint, beam=5, max_tokens=4096, subset="test",
@@ -52,16 +51,6 @@ def generate_detokenised(data_bin, checkpoint, beam=5, max_tokens=4096, subset="
             idx, _score, text = line.split("\t", 2)
             hyps[int(idx[2:])] = text
     return hyps, settings
-
-
-def prepared_settings(data_bin):
-    """The settings annotated-prepare recorded in DATA_BIN/prepare.json (languages, BPE codes)."""
-    path = os.path.join(data_bin, "prepare.json")
-    if not os.path.isfile(path):
-        raise PluginError(f"{data_bin} has no prepare.json: give a data-bin made by "
-                          f"annotated-prepare, whose BPE codes and raw references BLEU needs")
-    with open(path) as f:
-        return json.load(f)
 
 
 def score(data_bin, hyps, settings, subset="test"):

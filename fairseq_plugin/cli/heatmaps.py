@@ -11,10 +11,10 @@ heads by default). Rows are queries, columns the keys they attend to; each row s
 """
 
 import argparse
-import json
 import os
 
 from ..errors import PluginError, exit_in_one_line
+from .common import prepared_settings
 
 KINDS = {  # file prefix -> (which stack, attention module inside a layer)
     "encoder_self": ("encoder", "self_attn"),
@@ -26,8 +26,7 @@ KINDS = {  # file prefix -> (which stack, attention module inside a layer)
 def load_hub(data_bin, checkpoint):
     from .. import AnnotatedTransformerModel
 
-    with open(os.path.join(data_bin, "prepare.json")) as f:
-        settings = json.load(f)
+    settings = prepared_settings(data_bin)
     return AnnotatedTransformerModel.from_pretrained(
         os.path.dirname(os.path.abspath(checkpoint)), checkpoint_file=os.path.basename(checkpoint),
         data_name_or_path=os.path.abspath(data_bin), bpe=settings["bpe"],
@@ -129,9 +128,6 @@ def main(argv=None):
     try:
         if not args.sentence.strip():
             raise PluginError("the sentence is empty; give the text to translate in quotes")
-        if not os.path.exists(os.path.join(args.data_bin, "prepare.json")):
-            raise PluginError(f"{args.data_bin} has no prepare.json; give a directory made by "
-                              f"annotated-prepare")
         hub = load_hub(args.data_bin, args.checkpoint)
         model = hub.models[0]
         stacks = (model.encoder.layers, model.decoder.layers)
