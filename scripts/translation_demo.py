@@ -8,13 +8,13 @@ Every command is printed; full logs go to WORK_DIR/*.log.
 """
 
 import argparse
-import json
 import os
 import time
 
 from fairseq_plugin.cli import evaluate as evaluate_bleu
 from fairseq_plugin.cli import prepare as prepare_translation
-from fairseq_plugin.cli.common import fairseq_cli, fairseq_validation, plugin_dir, run
+from fairseq_plugin.cli.common import (fairseq_cli, fairseq_validation, plugin_dir,
+                                       prepared_settings, run)
 from fairseq_plugin.errors import PluginError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,16 +31,22 @@ TRAINING = ["--criterion", "annotated_label_smoothing", "--label-smoothing", "0.
 BPE_MERGES = 6000
 
 
-def check_work_dir(data_bin):
-    """The demo replaces WORK_DIR/data-bin only where an earlier run of the demo made it."""
+MARKER = ".translation-demo"  # in WORK_DIR: the demo made what is there, also half-way
+
+
+def check_work_dir(work_dir):
+    """The demo replaces WORK_DIR/data-bin only where an earlier run of it made the folder:
+    WORK_DIR holds the demo's marker, or the data-bin is the demo's finished preparation."""
+    data_bin = os.path.join(work_dir, "data-bin")
     if not os.path.isdir(data_bin) or not os.listdir(data_bin):
         return
+    if os.path.exists(os.path.join(work_dir, MARKER)):
+        return
     try:
-        with open(os.path.join(data_bin, "prepare.json")) as f:
-            settings = json.load(f)
-        ours = (settings["source_lang"], settings["target_lang"], settings["bpe_merges"]) == (
-            "de", "en", BPE_MERGES)
-    except (OSError, ValueError, KeyError):
+        settings = prepared_settings(data_bin)
+        ours = (settings.get("source_lang"), settings.get("target_lang"),
+                settings.get("bpe_merges")) == ("de", "en", BPE_MERGES)
+    except (PluginError, ValueError):
         ours = False
     if not ours:
         raise PluginError(f"{data_bin} holds something other than this demo's data, which the "
@@ -56,8 +62,9 @@ def main(argv=None):
 
     w = os.path.abspath(args.work_dir)
     data_bin, ckpt = os.path.join(w, "data-bin"), os.path.join(w, "checkpoints")
-    check_work_dir(data_bin)
+    check_work_dir(w)
     os.makedirs(w, exist_ok=True)
+    open(os.path.join(w, MARKER), "w").close()
     start = time.time()
 
     print(f"[1/3] preparing the bundled Tatoeba sample ({BPE_MERGES} joint BPE merges)", flush=True)

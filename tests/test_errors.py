@@ -45,14 +45,16 @@ def test_a_plugin_error_is_one_line_and_the_traceback_is_there_on_request():
 
 
 @pytest.mark.parametrize("command", ["annotated-prepare", "annotated-average-checkpoints",
-                                     "annotated-export-fairseq", "annotated-evaluate-bleu"])
+                                     "annotated-export-fairseq", "annotated-evaluate-bleu",
+                                     "annotated-attention-heatmaps"])
 def test_the_plugins_own_commands_show_the_traceback_on_request(command, tmp_path):
     args = {"annotated-prepare": ["-s", "de", "-t", "en", "--raw-dir", tmp_path, "--dest",
                                   tmp_path / "bin"],
             "annotated-average-checkpoints": ["--inputs", tmp_path / "a.pt", "--output",
                                               tmp_path / "avg.pt"],
             "annotated-export-fairseq": [tmp_path / "a.pt", "--output", tmp_path / "out.pt"],
-            "annotated-evaluate-bleu": [tmp_path, tmp_path / "a.pt"]}[command]
+            "annotated-evaluate-bleu": [tmp_path, tmp_path / "a.pt"],
+            "annotated-attention-heatmaps": [tmp_path, tmp_path / "a.pt", "Hallo"]}[command]
     proc = cli(command, *args, check=False)
     assert_one_line_error(proc, f"{command}: error: ")
     proc = cli(command, *args, check=False, env={**os.environ, TRACEBACK_VARIABLE: "1"})
@@ -63,9 +65,9 @@ def test_the_plugins_own_commands_show_the_traceback_on_request(command, tmp_pat
         "fairseq_plugin.cli.prepare.PrepareError: ")
 
 
-def test_a_missing_file_is_one_line_only_in_fairseqs_commands():
-    """In fairseq-train & co. (tests/test_cli.py) a missing path is one line; a program of the
-    user's that imports the plugin keeps its traceback."""
+def test_a_program_of_the_users_keeps_the_traceback_of_a_missing_file():
+    """Only fairseq's commands shorten a missing path to one line (tests/test_cli.py); a program
+    of the user's that imports the plugin keeps its traceback."""
     proc = run_python("open('/no/such/file.txt')")
     assert "Traceback (most recent call last)" in proc.stderr
     assert "FileNotFoundError" in proc.stderr

@@ -115,8 +115,12 @@ def test_a_checkpoint_with_parameters_this_model_lacks_is_refused_in_one_line():
 
 
 @pytest.mark.parametrize("flag", ["dropout", "attention_dropout", "activation_dropout"])
-@pytest.mark.parametrize("p", [1.0, -0.1, 0.99999])  # the last rounds to 1 in the CPU mask
+@pytest.mark.parametrize("p", [1.0, -0.1, 0.99999])
 def test_a_dropout_that_is_not_a_probability_is_a_clear_error(flag, p):
+    if flag == "attention_dropout" and p == 0.99999:
+        build_tiny_model(**{flag: p})  # torch's dropout: any p below 1
+        return
+    # 0.99999 rounds to 1 in the CPU dropout mask of the other two
     with pytest.raises(PluginError, match=f"--{flag.replace('_', '-')} {p} is not a probability"):
         build_tiny_model(**{flag: p})
     build_tiny_model(**{flag: 0.9999})  # below 1 - 2^-16: allowed

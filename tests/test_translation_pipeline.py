@@ -109,9 +109,11 @@ def test_prepare_refuses_missing_and_empty_input_and_a_non_empty_destination(tmp
 def test_prepare_refuses_text_that_is_not_utf8_and_too_few_merges(tmp_path):
     splits = {"train": "train", "valid": "valid", "test": "test"}
     write_slice(tmp_path / "raw", n_train=50, n_eval=5)
-    (tmp_path / "raw" / "valid.de").write_bytes("Ich bin müde.\n".encode("latin-1") * 5)
+    (tmp_path / "raw" / "valid.de").write_bytes("Ich bin fertig.\nIch bin müde.\n".encode(
+        "latin-1") * 200 + b"x\n")
     with pytest.raises(prepare_translation.PrepareError,
-                       match=r"valid.de is not UTF-8 text .*; convert it, e.g. iconv -f latin1"):
+                       match=r"valid.de is not UTF-8 text \(byte 0xfc at line 2, byte 10\); "
+                             r"convert it, e.g. iconv -f latin1"):
         prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "a"), "de", "en", splits)
     with pytest.raises(prepare_translation.PrepareError, match="--bpe-merges 0: give a number"):
         prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "b"), "de", "en", splits,
@@ -309,18 +311,23 @@ def test_attention_heatmaps_are_pngs_of_rows_summing_to_one(prepared, trained, t
         "encoder_self_layer1_head0.png"]
 
 
-@pytest.mark.parametrize("sentence, extra, message", [
-    ("   ", [], "the sentence is empty"),
-    ("Tom öffnete das Bier.", ["--layers", "2"], "--layers 2: this model has layers 0 to 1"),
-    ("Tom öffnete das Bier.", ["--heads", "x"], "--heads x: give comma-separated numbers"),
-    ("Tom öffnete das Bier.", ["--heads", "0,4"], "--heads 0,4: this model has heads 0 to 3")])
-def test_heatmaps_refuse_an_empty_sentence_and_layers_or_heads_the_model_lacks(
-        prepared, trained, tmp_path, sentence, extra, message):
+@pytest.mark.parametrize("checkpoint, sentence, extra, message", [
+    ("checkpoint_last.pt", "   ", [], "the sentence is empty"),
+    ("checkpoint_last.pt", "Tom öffnete das Bier.", ["--layers", "2"],
+     "--layers 2: this model has layers 0 to 1"),
+    ("checkpoint_last.pt", "Tom öffnete das Bier.", ["--heads", "x"],
+     "--heads x: give comma-separated numbers"),
+    ("checkpoint_last.pt", "Tom öffnete das Bier.", ["--heads", "0,4"],
+     "--heads 0,4: this model has heads 0 to 3"),
+    ("checkpoint_bst.pt", "Tom öffnete das Bier.", [], "no checkpoint {ckpt}/checkpoint_bst.pt")])
+def test_heatmaps_refuse_a_missing_checkpoint_an_empty_sentence_and_absent_layers_or_heads(
+        prepared, trained, tmp_path, checkpoint, sentence, extra, message):
     w, _ = prepared
     _, ckpt = trained
-    proc = cli("annotated-attention-heatmaps", w / "bin", ckpt / "checkpoint_last.pt", sentence,
+    proc = cli("annotated-attention-heatmaps", w / "bin", ckpt / checkpoint, sentence,
                "--out-dir", tmp_path / "maps", *extra, check=False)
-    assert_one_line_error(proc, f"annotated-attention-heatmaps: error: {message}")
+    assert_one_line_error(proc, "annotated-attention-heatmaps: error: "
+                                + message.format(ckpt=ckpt))
     assert not (tmp_path / "maps").exists()
 
 
@@ -334,9 +341,13 @@ def test_the_demo_replaces_only_a_data_bin_an_earlier_demo_made(tmp_path):
     with pytest.raises(PluginError, match="holds something other than this demo's data"):
         demo["main"](["--work-dir", str(tmp_path / "work")])
     assert (data_bin / "notes.txt").read_text() == "mine"
+    # an earlier demo's finished preparation, or its marker (a run stopped half-way): replaced
     (data_bin / "prepare.json").write_text(json.dumps(
         {"source_lang": "de", "target_lang": "en", "bpe_merges": demo["BPE_MERGES"]}))
-    demo["check_work_dir"](str(data_bin))  # an earlier demo's: replaced without a question
+    demo["check_work_dir"](str(tmp_path / "work"))
+    (data_bin / "prepare.json").unlink()
+    (tmp_path / "work" / demo["MARKER"]).touch()
+    demo["check_work_dir"](str(tmp_path / "work"))
 
 
 def test_no_valid_or_test_sentence_of_the_bundled_sample_occurs_in_its_training_data():

@@ -41,6 +41,13 @@ def prepared_settings(data_bin):
         return json.load(f)
 
 
+def check_checkpoint(path) -> None:
+    """Refuse a checkpoint path that names no file, before any work starts."""
+    if not os.path.isfile(path):
+        raise PluginError(f"no checkpoint {path}; give the path of a .pt file that fairseq-train "
+                          f"wrote (e.g. CHECKPOINTS/checkpoint_best.pt)")
+
+
 _PROGRESS = re.compile(r"epoch (\d+):\s+(\d+) / (\d+) .*?\bups=([\d.]+)")
 
 

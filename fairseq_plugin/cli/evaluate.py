@@ -17,7 +17,7 @@ import os
 import sys
 
 from ..errors import PluginError, exit_in_one_line
-from .common import fairseq_cli, plugin_dir, prepared_settings, run
+from .common import check_checkpoint, fairseq_cli, plugin_dir, prepared_settings, run
 
 
 def generate_detokenised(data_bin, checkpoint, beam=5, max_tokens=4096, subset="test",
@@ -26,9 +26,7 @@ def generate_detokenised(data_bin, checkpoint, beam=5, max_tokens=4096, subset="
     detokenised hypothesis}. Its output and log go next to the checkpoint
     (generate-SUBSET.txt, generate-SUBSET.log), replacing earlier ones only once it succeeds."""
     settings = prepared_settings(data_bin)
-    if not os.path.isfile(checkpoint):
-        raise PluginError(f"no checkpoint {checkpoint}; give the path of a .pt file that "
-                          f"fairseq-train wrote (e.g. CHECKPOINTS/checkpoint_best.pt)")
+    check_checkpoint(checkpoint)
     cmd = [fairseq_cli("fairseq-generate"), data_bin,
            "--user-dir", plugin_dir(), "--path", checkpoint, "--gen-subset", subset,
            "--source-lang", settings["source_lang"], "--target-lang", settings["target_lang"],

@@ -14,7 +14,7 @@ import argparse
 import os
 
 from ..errors import PluginError, exit_in_one_line
-from .common import prepared_settings
+from .common import check_checkpoint, prepared_settings
 
 KINDS = {  # file prefix -> (which stack, attention module inside a layer)
     "encoder_self": ("encoder", "self_attn"),
@@ -27,6 +27,7 @@ def load_hub(data_bin, checkpoint):
     from .. import AnnotatedTransformerModel
 
     settings = prepared_settings(data_bin)
+    check_checkpoint(checkpoint)
     return AnnotatedTransformerModel.from_pretrained(
         os.path.dirname(os.path.abspath(checkpoint)), checkpoint_file=os.path.basename(checkpoint),
         data_name_or_path=os.path.abspath(data_bin), bpe=settings["bpe"],

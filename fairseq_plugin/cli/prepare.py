@@ -69,6 +69,18 @@ def open_text(path):
     return open(path, encoding="utf-8")
 
 
+def not_utf8(path) -> str:
+    """Where the first byte that is not UTF-8 stands in ``path`` (plain or gzipped)."""
+    gz = path if os.path.exists(path + ".gz") and not os.path.exists(path) else None
+    with (gzip.open(gz + ".gz") if gz else open(path, "rb")) as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"byte {line[e.start]:#x} at line {number}, byte {e.start + 1}"
+    return "an undecodable byte"
+
+
 def exists(path):
     return os.path.exists(path) or os.path.exists(path + ".gz")
 
@@ -86,8 +98,8 @@ def read_parallel(raw_dir, prefix, src, tgt):
             try:
                 sides.append([" ".join(line.split()) for line in f])  # tabs, edges -> one space
             except UnicodeDecodeError as e:
-                raise PrepareError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start} of a "
-                                   f"line); convert it, e.g. iconv -f latin1 -t utf-8") from e
+                raise PrepareError(f"{path} is not UTF-8 text ({not_utf8(path)}); convert it, "
+                                   f"e.g. iconv -f latin1 -t utf-8") from e
     if len(sides[0]) != len(sides[1]):
         raise PrepareError(f"{paths[0]} has {len(sides[0])} lines but {paths[1]} has "
                            f"{len(sides[1])}: parallel files must be aligned line by line")

@@ -381,10 +381,13 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
     def build_model(cls, cfg, task):
         args = cls.options(cfg)
         _check_layer_norm_flags(args)
-        for flag in ("dropout", "attention_dropout", "activation_dropout"):
-            if not is_drop_probability(getattr(args, flag)):
-                raise PluginError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not a "
-                                  "probability in [0, 1 - 2^-16); use e.g. 0.1")
+        for flag in ("dropout", "activation_dropout", "attention_dropout"):
+            p = getattr(args, flag)
+            # attention's dropout is torch's (nn.Dropout or the fused kernel), not our CPU mask
+            if not (0.0 <= p < 1.0 if flag == "attention_dropout" else is_drop_probability(p)):
+                bound = "1" if flag == "attention_dropout" else "1 - 2^-16"
+                raise PluginError(f"--{flag.replace('_', '-')} {p} is not a probability in "
+                                  f"[0, {bound}); use e.g. 0.1")
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
         scale = not args.no_scale_embedding
         if args.share_all_embeddings:
@@ -438,8 +441,8 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
 
 def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor],
                      strict: bool = True) -> None:
-    """Explain why a checkpoint's parameters do not fit this model, or return. Not strict,
-    parameters this model lacks are ignored (as torch's ``load_state_dict`` does)."""
+    """Explain why a checkpoint's parameters do not fit this model, or return. Parameters this
+    model lacks are ignored when not strict (as torch does); missing ones are refused always."""
     missing = [k for k in expected if k not in loaded]
     unexpected = [k for k in loaded if k not in expected]
     if missing or (unexpected and strict):
