@@ -12,6 +12,8 @@ fairseq-hydra-train reports errors itself: it prints a PluginError's message alo
 ``CompactHydraException``), and ``HYDRA_FULL_ERROR=1`` shows the traceback there.
 """
 
+import dataclasses
+import difflib
 import os
 import sys
 
@@ -27,6 +29,15 @@ _FAIRSEQ_REWRAPS = ("Cannot load model parameters from checkpoint",)
 
 class PluginError(ValueError, CompactHydraException):
     """A user-facing error whose message says what is wrong and how to fix it."""
+
+
+def spelling_hint(name: str, known) -> str:
+    """'did you mean X?' for the known name closest to a misspelled one, else where to look.
+    (fairseq-train --help cannot list a model's options: it answers before adding them.)"""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    if close:
+        return f"did you mean {close[0]}?"
+    return "check its spelling (the README's Flags section lists the options)"
 
 
 def one_line_error(exc: BaseException):
@@ -138,8 +149,10 @@ def report_unknown_options_in_one_line():
             groups = [g for g in ("model", "criterion", "lr_scheduler", "optimizer", "task")
                       if hasattr(cfg.get(g), "keys") and e.key in cfg[g]]
             where = f"{groups[0]}.{e.key}" if groups else str(e.key)
-            raise PluginError(f"unknown option {where}: {config} has no field '{e.key}'; check "
-                              "its spelling (fairseq-train ... --help lists the options)")
+            names = ([f.name for f in dataclasses.fields(e.object_type)]
+                     if dataclasses.is_dataclass(e.object_type) else [])
+            raise PluginError(f"unknown option {where}: {config} has no field '{e.key}'; "
+                              f"{spelling_hint(str(e.key), names)}")
 
     add_defaults.fairseq_plugin_hook = True
     train.add_defaults = add_defaults

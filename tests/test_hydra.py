@@ -147,10 +147,10 @@ def assert_last_words(proc, message):
 @pytest.mark.parametrize("override, message", [
     ("+model.encoder_layer=1",
      "unknown option model.encoder_layer: AnnotatedTransformerTinyConfig has no field "
-     "'encoder_layer'"),
+     "'encoder_layer'; did you mean encoder_layers?"),
     ("+criterion.label_smothing=0.2",
      "unknown option criterion.label_smothing: AnnotatedLabelSmoothingConfig has no field "
-     "'label_smothing'"),
+     "'label_smothing'; did you mean label_smoothing?"),
     ("+lr_scheduler.warmup=3", "unknown option lr_scheduler.warmup: NoamConfig has no field "
                                "'warmup'"),
     ("model._name=annotated_transformer_huge", "unknown model "

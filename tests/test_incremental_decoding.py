@@ -487,7 +487,7 @@ def naive_history_test_steps(group, steps, cross_group_at=None, shrink_at=None, 
 def test_history_rows_equal_per_row_histories_through_reorders_growth_and_shrinking(group):
     history, ref_k, ref_v = naive_history_test_steps(group, steps=40, shrink_at=20)
     assert history.length == 40 and history.group == group  # grew past its first capacity
-    k, v = history.rows()
+    k, v = history.own_keys_values()
     assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
 
 
@@ -503,7 +503,7 @@ def test_history_reorder_within_groups_moves_no_keys():
 def test_history_reorder_across_sentences_falls_back_to_one_history_per_row():
     history, ref_k, ref_v = naive_history_test_steps(4, steps=6, cross_group_at=3)
     assert history.group == 1
-    k, v = history.rows()
+    k, v = history.own_keys_values()
     assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
 
 

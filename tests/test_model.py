@@ -91,6 +91,23 @@ def test_heads_not_dividing_d_model_is_a_clear_error():
     with pytest.raises(PluginError, match="--encoder-embed-dim 64 is not divisible by "
                                           "--encoder-attention-heads 5"):
         build_tiny_model(encoder_attention_heads=5)
+    with pytest.raises(PluginError, match="--decoder-embed-dim 64 is not divisible by "
+                                          "--decoder-attention-heads 3; .* \\(e.g. 2\\)"):
+        build_tiny_model(decoder_attention_heads=3)
+
+
+def test_a_misspelled_model_option_is_refused_with_the_closest_name():
+    from omegaconf import OmegaConf
+    from fairseq_plugin.models.annotated_transformer import AnnotatedTransformerModel
+    misspelled = OmegaConf.create({"_name": "annotated_transformer", "encoder_layer": 1})
+    with pytest.raises(PluginError, match=r"unknown model option 'encoder_layer' "
+                                          r"\(model.encoder_layer\), not a field of "
+                                          r"AnnotatedTransformerConfig; did you mean "
+                                          r"encoder_layers\?"):
+        AnnotatedTransformerModel.options(misspelled)
+    unlike_any = OmegaConf.create({"_name": "annotated_transformer", "xyz": 1})
+    with pytest.raises(PluginError, match="check its spelling .the README's Flags section"):
+        AnnotatedTransformerModel.options(unlike_any)
 
 
 def test_share_all_embeddings_needs_a_joined_dictionary():

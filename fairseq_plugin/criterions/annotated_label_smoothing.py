@@ -5,7 +5,9 @@ the model learns to be more unsure, but improves accuracy and BLEU score." (sect
 
 The notebook's target distribution puts 1 - eps on the gold token, eps / (V - 2) on every other
 token except padding, and 0 on the padding column; rows whose target is padding are all zero.
-The loss is KL(target || model) summed over tokens (``nn.KLDivLoss(reduction="sum")``).
+The loss is KL(target || model) summed over tokens (``nn.KLDivLoss(reduction="sum")``); the
+notebook's class, written out, is ``fairseq_plugin.reference.LabelSmoothing``, which the tests
+hold this closed form equal to.
 fairseq's ``label_smoothed_cross_entropy`` differs (eps / (V - 1), padding included), so the two
 losses are not comparable number for number; ``nll_loss`` (and so perplexity) is.
 

@@ -30,8 +30,8 @@ from fairseq.models import (
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
-from ..errors import PluginError
-from ..modules.attention import IncrementalState, MultiHeadedAttention
+from ..errors import PluginError, spelling_hint
+from ..modules.attention import IncrementalState, MultiHeadedAttention, check_heads_divide
 from ..modules.cache import Ancestry, BeamReorder, repeats_rows
 from ..modules.dropout import is_drop_probability
 from ..modules.embeddings import (
@@ -74,7 +74,7 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
             EncoderLayer(
                 d,
                 MultiHeadedAttention(args.encoder_attention_heads, d, args.attention_dropout,
-                                     self_attention=True, flag_prefix="encoder"),
+                                     self_attention=True),
                 _feed_forward(args, d, args.encoder_ffn_embed_dim),
                 args.dropout, normalize_before=not args.post_norm)
             for _ in range(args.encoder_layers)])
@@ -126,6 +126,8 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
             return encoder_out
         reordered = {key: [t.index_select(0, new_order) for t in value]
                      for key, value in encoder_out.items() if key != "beam_group"}
+        # not grouped yet, or a row left its group: grouped from now on only when this reorder
+        # makes groups of beam_size copies of one row (beam search's first reorder does)
         if kept is None or group == 1:
             group = self.beam_size if repeats_rows(new_order, self.beam_size) else 1
         reordered["beam_group"] = [torch.tensor(group)] if group > 1 else []
@@ -148,6 +150,14 @@ def beam_group(encoder_out: Dict[str, List[Tensor]]) -> int:
     return int(group[0]) if group else 1
 
 
+def average_heads(attn: Optional[Tensor], heads: Optional[int]) -> Optional[Tensor]:
+    """fairseq's alignment: the source attention (B, h, T, S) averaged over its first ``heads``
+    heads (all when None) -> (B, T, S)."""
+    if attn is None:
+        return None
+    return (attn if heads is None else attn[:, :heads]).mean(dim=1)
+
+
 class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
     """"The decoder is also composed of a stack of N identical layers." (section 3.1)
 
@@ -167,10 +177,9 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
             DecoderLayer(
                 d,
                 MultiHeadedAttention(args.decoder_attention_heads, d, args.attention_dropout,
-                                     self_attention=True, flag_prefix="decoder"),
+                                     self_attention=True),
                 MultiHeadedAttention(args.decoder_attention_heads, d, args.attention_dropout,
-                                     self_attention=False, flag_prefix="decoder",
-                                     memory_dim=args.encoder_embed_dim),
+                                     self_attention=False, memory_dim=args.encoder_embed_dim),
                 _feed_forward(args, d, args.decoder_ffn_embed_dim),
                 args.dropout, normalize_before=not args.post_norm)
             for _ in range(args.decoder_layers)])
@@ -204,8 +213,10 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
     def extract_features(self, prev_output_tokens, encoder_out, incremental_state=None,
                          alignment_layer=None, alignment_heads=None, **unused):
         """(B, T, d) features before the generator, and {"attn", "inner_states"}."""
-        # masks, True where a query may attend: the source's real tokens; target padding only
-        # where it stands before real tokens (left padding: the causal mask hides the rest)
+        # the notebook's masks, True where a query may attend. src_mask: the source's real tokens.
+        # tgt_mask: make_std_mask's padding part, the target's real tokens, needed only when a row
+        # is left-padded (right padding follows every real token, so the causal mask hides it);
+        # its subsequent_mask part is the self-attention's causal=True (attention.py: attend).
         src_mask = source_mask(encoder_out)  # (B, 1, 1, S) or None
         if incremental_state is None:
             positions = self.embed.positions(prev_output_tokens)  # (B, T)
@@ -227,19 +238,17 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         x = packing.pack(x)
         attn, inner_states = None, [x]
         for i, layer in enumerate(self.layers):
-            x, layer_attn = layer(x, memory, tgt_mask, src_mask, incremental_state,
+            x, layer_attn = layer(x, memory, src_mask=src_mask, tgt_mask=tgt_mask,
+                                  incremental_state=incremental_state,
                                   need_attn=want_attn and i == alignment_layer, packing=packing)
             inner_states.append(x)
             if i == alignment_layer:
                 attn = layer_attn
-        x, inner_states = packing.unpack(x), [packing.unpack(s) for s in inner_states]
-        if attn is not None:  # (B, h, T, S) -> (B, T, S)
-            if alignment_heads is not None:
-                attn = attn[:, :alignment_heads]
-            attn = attn.mean(dim=1)
-        if self.norm is not None:
+        x = packing.unpack(x)
+        if self.norm is not None:  # pre-LN's final LayerNorm
             x = self.norm(x)
-        return x, {"attn": [attn], "inner_states": inner_states}
+        inner_states = [packing.unpack(s) for s in inner_states]  # fairseq's, (B, T, d) each
+        return x, {"attn": [average_heads(attn, alignment_heads)], "inner_states": inner_states}
 
     def output_layer(self, features: Tensor) -> Tensor:
         return self.generator(features)
@@ -249,6 +258,10 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
 
     def make_generation_fast_(self, need_attn: bool = False, **unused):
         self.need_attn = need_attn
+
+    # -- Incremental decoding: every attention module keeps a cache in fairseq's incremental_state
+    # (modules/cache.py); the decoder starts them, adds each step to the beam's ancestry and hands
+    # them beam search's reorders. Training and full passes never come here.
 
     def attentions(self) -> List[MultiHeadedAttention]:
         return [m for layer in self.layers for m in (layer.self_attn, layer.src_attn)]
@@ -379,36 +392,22 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
 
     @classmethod
     def build_model(cls, cfg, task):
+        """The notebook's make_model: embeddings, the encoder and decoder stacks (built in their
+        __init__), the generator, then Glorot initialisation."""
         args = cls.options(cfg)
-        _check_layer_norm_flags(args)
-        for flag in ("dropout", "activation_dropout", "attention_dropout"):
-            p = getattr(args, flag)
-            # attention's dropout is torch's (nn.Dropout or the fused kernel), not our CPU mask
-            if not (0.0 <= p < 1.0 if flag == "attention_dropout" else is_drop_probability(p)):
-                bound = "1" if flag == "attention_dropout" else "1 - 2^-16"
-                raise PluginError(f"--{flag.replace('_', '-')} {p} is not a probability in "
-                                  f"[0, {bound}); use e.g. 0.1")
+        _check_flags(args)
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
         scale = not args.no_scale_embedding
+        src_tokens = Embeddings(args.encoder_embed_dim, len(src_dict), src_dict.pad(), scale)
         if args.share_all_embeddings:
-            if src_dict != tgt_dict:
-                raise PluginError(
-                    "--share-all-embeddings needs a joined dictionary, but the source and target "
-                    "dictionaries differ; preprocess with fairseq-preprocess --joined-dictionary "
-                    "or drop --share-all-embeddings")
-            if args.encoder_embed_dim != args.decoder_embed_dim:
-                raise PluginError(
-                    f"--share-all-embeddings needs --encoder-embed-dim ({args.encoder_embed_dim}) "
-                    f"equal to --decoder-embed-dim ({args.decoder_embed_dim})")
-            src_embed = Embeddings(len(src_dict), args.encoder_embed_dim, src_dict.pad(), scale)
-            tgt_embed = src_embed
+            _check_shared_embeddings(args, src_dict, tgt_dict)
+            tgt_tokens = src_tokens
             args.share_decoder_input_output_embed = True
         else:
-            src_embed = Embeddings(len(src_dict), args.encoder_embed_dim, src_dict.pad(), scale)
-            tgt_embed = Embeddings(len(tgt_dict), args.decoder_embed_dim, tgt_dict.pad(), scale)
-        output_weight = tgt_embed.lut.weight if args.share_decoder_input_output_embed else None
-        encoder = AnnotatedTransformerEncoder(args, src_dict, src_embed)
-        decoder = AnnotatedTransformerDecoder(args, tgt_dict, tgt_embed, output_weight)
+            tgt_tokens = Embeddings(args.decoder_embed_dim, len(tgt_dict), tgt_dict.pad(), scale)
+        output_weight = tgt_tokens.lut.weight if args.share_decoder_input_output_embed else None
+        encoder = AnnotatedTransformerEncoder(args, src_dict, src_tokens)
+        decoder = AnnotatedTransformerDecoder(args, tgt_dict, tgt_tokens, output_weight)
         model = cls(encoder, decoder)
         model.init_parameters_()
         return model
@@ -463,11 +462,34 @@ def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor],
                 f"{tuple(v.shape)}; it was trained with other sizes: load it with those flags")
 
 
-def _check_layer_norm_flags(args):
+def _check_flags(args):
+    """One line for flags this model cannot be built with."""
+    for side in ("encoder", "decoder"):
+        check_heads_divide(getattr(args, f"{side}_embed_dim"),
+                           getattr(args, f"{side}_attention_heads"), side)
+    for flag in ("dropout", "activation_dropout", "attention_dropout"):
+        p = getattr(args, flag)
+        # attention's dropout is torch's (nn.Dropout or the fused kernel), not our CPU mask
+        if not (0.0 <= p < 1.0 if flag == "attention_dropout" else is_drop_probability(p)):
+            bound = "1" if flag == "attention_dropout" else "1 - 2^-16"
+            raise PluginError(f"--{flag.replace('_', '-')} {p} is not a probability in "
+                              f"[0, {bound}); use e.g. 0.1")
     if args.post_norm and (args.encoder_normalize_before or args.decoder_normalize_before):
         raise PluginError(
             "--post-norm conflicts with --encoder-normalize-before/--decoder-normalize-before; "
             "use --post-norm for the paper's post-LN or drop it for pre-LN")
+
+
+def _check_shared_embeddings(args, src_dict, tgt_dict):
+    if src_dict != tgt_dict:
+        raise PluginError(
+            "--share-all-embeddings needs a joined dictionary, but the source and target "
+            "dictionaries differ; preprocess with fairseq-preprocess --joined-dictionary "
+            "or drop --share-all-embeddings")
+    if args.encoder_embed_dim != args.decoder_embed_dim:
+        raise PluginError(
+            f"--share-all-embeddings needs --encoder-embed-dim ({args.encoder_embed_dim}) "
+            f"equal to --decoder-embed-dim ({args.decoder_embed_dim})")
 
 
 def _check_known_options(cfg, config):
@@ -477,9 +499,8 @@ def _check_known_options(cfg, config):
     known = {f.name for f in fields(config)}
     unknown = sorted(k for k in cfg.keys() if k not in known)
     if unknown:
-        raise PluginError(f"unknown model option '{unknown[0]}' (model.{unknown[0]}); check its "
-                          f"spelling: the options are the fields of {config.__name__} "
-                          "(fairseq-train --arch annotated_transformer --help lists them)")
+        raise PluginError(f"unknown model option '{unknown[0]}' (model.{unknown[0]}), not a "
+                          f"field of {config.__name__}; {spelling_hint(unknown[0], known)}")
 
 
 def resolved_model_config(model_cfg) -> Optional[Namespace]:

@@ -9,8 +9,8 @@ representation subspaces at different positions." MultiHead(Q, K, V) = Concat(he
 (section 3.2.2)
 
 The plain notebook version is ``fairseq_plugin.reference.MultiHeadedAttention``; this one adds
-fused projections, a fused attention kernel and the decoding cache (cache.py), and is tested
-against it. Shapes: B batch, T query length, S key length, h heads, d_k = d_model / h.
+fused projections, a fused attention kernel, the decoding cache (cache.py) and, in training,
+position-wise work on real tokens only (packing.py), and is tested against it. Shapes: B batch, T query length, S key length, h heads, d_k = d_model / h.
 """
 
 import contextlib
@@ -39,7 +39,7 @@ IncrementalState = Dict[str, Any]
 
 
 def check_heads_divide(d_model: int, heads: int, flag_prefix: str) -> None:
-    """d_k = d_model / h must be a whole number."""
+    """d_k = d_model / h must be a whole number (the model checks its flags with this)."""
     if heads <= 0 or d_model % heads != 0:
         divisor = max((h for h in range(1, max(heads, 1) + 1) if d_model % h == 0), default=1)
         raise PluginError(
@@ -109,6 +109,29 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool
     return (out if empty is None else out.masked_fill(empty, 0.0)), None
 
 
+def group_queries(q: Tensor, group: int) -> Tensor:
+    """(B, h, T, d_k) -> (B / g, h, g * T, d_k): the queries of each group of g rows side by side,
+    to attend together to the keys those rows share."""
+    if group == 1:
+        return q
+    return q.unflatten(0, (-1, group)).transpose(1, 2).flatten(2, 3)
+
+
+def ungroup_queries(x: Tensor, group: int) -> Tensor:
+    """(B / g, h, g * T, ...) -> (B, h, T, ...): the inverse of ``group_queries``."""
+    if group == 1:
+        return x
+    return x.unflatten(2, (group, -1)).transpose(1, 2).flatten(0, 1)
+
+
+def concat_heads(out: Tensor, group: int) -> Tensor:
+    """(B, h, T, d_k) -> (B, T, h * d_k); grouped queries (B / g, h, g * T, d_k) back to their
+    rows on the way (one copy either way)."""
+    B, h, T, d_k = out.size(0) * group, out.size(1), out.size(2) // group, out.size(3)
+    out = out.unflatten(2, (group, T)).permute(0, 2, 3, 1, 4)  # (B / g, g, T, h, d_k)
+    return out.reshape(B, T, h * d_k)
+
+
 @with_incremental_state
 class MultiHeadedAttention(nn.Module):
     """Multi-head attention over h heads of size d_k = d_model / h ("In this work we employ h = 8
@@ -121,9 +144,9 @@ class MultiHeadedAttention(nn.Module):
     """
 
     def __init__(self, heads: int, d_model: int, dropout: float = 0.0, self_attention: bool = True,
-                 flag_prefix: str = "encoder", memory_dim: Optional[int] = None):
+                 memory_dim: Optional[int] = None):
         super().__init__()
-        check_heads_divide(d_model, heads, flag_prefix)
+        assert d_model % heads == 0, "d_model must be a multiple of h"
         self.h = heads
         self.d_k = d_model // heads
         self.self_attention = self_attention
@@ -159,35 +182,34 @@ class MultiHeadedAttention(nn.Module):
         module's cache while decoding. Returns the output, shaped as the query, and, if
         need_weights, the weights (B, h, T, S)."""
         cache = self.cache(incremental_state)
-        if cache is not None and need_weights and self.self_attention:
-            cache.ungroup()  # weights over each hypothesis's own history, not its group's
         # 1) "linearly project the queries, keys and values h times": (B, L, d_model) ->
         #    (B, h, L, d_k); no keys and values when the cache already holds the source's
         q, k, v = self.project(query, memory, cache, packing)
-        B, _, T, _ = q.shape
-        group = 1  # hypotheses whose queries attend together to one sentence's keys
-        if cache is not None:  # (decoding) keys and values come from the cache, which first
-            # keeps the new ones; the g hypotheses of a sentence may share them: queries
-            # (B / g, h, g * T, d_k)
-            if k is not None:
-                cache.append(k, v, mask)
-            k, v, mask = cache.keys_values()
-            group = cache.group
-            q = q.unflatten(0, (-1, group)).transpose(1, 2).flatten(2, 3)
+        T, group = q.size(2), 1
+        if cache is not None:  # decoding: the cache keeps the new keys and values, returns all
+            k, v, mask, group = self.read_cache(cache, k, v, mask, need_weights)
             causal = causal and T > 1  # one new step may see every cached one
-        # 2) attend: softmax(Q K^T / sqrt(d_k)) V, fused or written out
+        # 2) attend: softmax(Q K^T / sqrt(d_k)) V, fused or written out (the queries of a group's
+        #    g rows side by side: (B / g, h, g * T, d_k), when the cache shares its keys)
         kernel = choose_kernel(need_weights, self.kernel)
-        out, weights = attend(q, k, v, mask, causal, self.dropout, kernel)
-        # 3) "concatenated and once again projected": (B, h, T, d_k) -> (B, T, h, d_k) ->
-        #    (B, T, d_model)
-        if group == 1:
-            out = out.transpose(1, 2)
-        else:  # each group's queries back to their rows: (B / g, h, g * T, ...) -> (B, T, h, ...)
-            out = out.unflatten(2, (group, T)).permute(0, 2, 3, 1, 4)
-            if weights is not None:  # (B, h, T, S)
-                weights = weights.unflatten(2, (group, T)).transpose(1, 2).flatten(0, 1)
-        out = out.reshape(B, T, self.h * self.d_k)
+        out, weights = attend(group_queries(q, group), k, v, mask, causal, self.dropout, kernel)
+        # 3) "concatenated and once again projected": (B, h, T, d_k) -> (B, T, d_model) -> W^O
+        out = concat_heads(out, group)
+        if weights is not None:
+            weights = ungroup_queries(weights, group)  # (B, h, T, S)
         return self.out_proj(packing.pack(out)), weights
+
+    def read_cache(self, cache: KeyValueCache, k: Optional[Tensor], v: Optional[Tensor],
+                   mask: Optional[Tensor], need_weights: bool
+                   ) -> Tuple[Tensor, Tensor, Optional[Tensor], int]:
+        """Keep the new keys and values in the cache (if any) and return all of them, with their
+        mask and the number g of rows that share them (cache.py)."""
+        if need_weights and self.self_attention:
+            cache.ungroup()  # weights over each hypothesis's own history, not its group's
+        if k is not None:
+            cache.append(k, v, mask)
+        k, v, mask = cache.keys_values()
+        return k, v, mask, cache.group
 
     def cache(self, incremental_state: Optional[IncrementalState]) -> Optional[KeyValueCache]:
         """This module's cache in fairseq's incremental_state (None when not decoding)."""
@@ -198,7 +220,7 @@ class MultiHeadedAttention(nn.Module):
     def start_cache(self, incremental_state: IncrementalState, group: int,
                     ancestry: Optional[Ancestry] = None) -> None:
         """An empty cache; ``group`` rows of one sentence share it (1: one row each), and a
-        self-attention cache the decoder's ``ancestry`` of those rows."""
+        self-attention cache reads their history from the decoder's ``ancestry``."""
         if self.self_attention:
             cache = SelfAttentionCache(group, ancestry)
         else:
@@ -213,16 +235,17 @@ class MultiHeadedAttention(nn.Module):
 
     def project(self, query: Tensor, memory: Optional[Tensor], cache: Optional[KeyValueCache],
                 packing: Packing) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-        """Q (B, h, T, d_k) and K, V (rows, h, S, d_k): one row per distinct row the cache keeps,
-        or None when the cache already has the source's. Packed query rows are projected as they
-        are, then unpacked to (B, T) for attention."""
+        """Q (B, h, T, d_k) and K, V: self-attention's (B, h, T, d_k), or the source's
+        (B or B / g, h, S, d_k): one row per distinct row the cache keeps, or None when the cache
+        already has them. Packed query rows are projected as they are, then unpacked to (B, T)
+        for attention."""
         if self.self_attention:
             return self.split_heads(packing.unpack(self.qkv_proj(query)), 3)
         (q,) = self.split_heads(packing.unpack(self.q_proj(query)), 1)
         if cache is not None and not cache.is_empty():
             return q, None, None
-        rows = memory if cache is None else cache.distinct_rows(memory)
-        k, v = self.split_heads(self.kv_proj(rows), 2)
+        source = memory if cache is None else cache.distinct_rows(memory)
+        k, v = self.split_heads(self.kv_proj(source), 2)
         return q, k, v
 
     def split_heads(self, x: Tensor, n: int) -> Tuple[Tensor, ...]:

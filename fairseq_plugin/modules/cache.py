@@ -10,8 +10,8 @@ instead of recomputing them from the whole prefix. Two caches share one interfac
   projected once at the first step.
 
 The interface (``KeyValueCache``): ``is_empty`` and ``distinct_rows`` (which new keys and values it
-needs), ``append`` them, ``keys_values`` to attend to, ``reorder`` to follow beam search, ``rows``
-for each hypothesis's own keys and values, and ``ungroup``. Attention asks its cache for keys and
+needs), ``append`` them, ``keys_values`` to attend to, ``reorder`` to follow beam search,
+``own_keys_values`` for each hypothesis's own keys and values, and ``ungroup``. Attention asks its cache for keys and
 values the same way whichever kind it has (its own kind decides only which projections it runs).
 
 Beam search keeps g hypotheses per sentence (g = the beam size that fairseq's SequenceGenerator
@@ -131,8 +131,8 @@ def _shared_plans(new_order: Tensor) -> dict:
 
 class Ancestry:
     """Which of its group's keys each of the B rows descends from, in a grouped self-attention
-    cache: an additive mask (B, C * g), 0 at key s * g + r when the row's ancestor at step s was
-    the hypothesis in row r, -inf elsewhere. It is the same in every layer: the decoder keeps one
+    cache: an additive mask (B, C * g rounded up to a multiple of MASK_ALIGNMENT), 0 at key
+    s * g + r when the row's ancestor at step s was the hypothesis in row r, -inf elsewhere. It is the same in every layer: the decoder keeps one
     for all its self-attention caches, adds each step before the layers run and reorders it with
     the caches. (A reorder that takes a row out of its group leaves it as it is: the caches then
     read it once more, to fall back to one history per row.)"""
@@ -216,7 +216,7 @@ class KeyValueCache:
         """Follow beam search: row i continues row ``reorder.new_order[i]``."""
         raise NotImplementedError
 
-    def rows(self) -> Tuple[Tensor, Tensor]:
+    def own_keys_values(self) -> Tuple[Tensor, Tensor]:
         """Each row's own keys and values, (B, h, S, d_k), in the current order."""
         raise NotImplementedError
 
@@ -269,7 +269,7 @@ class SourceAttentionCache(KeyValueCache):
         if self.mask is not None:
             self.mask = self.mask.index_select(0, kept)
 
-    def rows(self) -> Tuple[Tensor, Tensor]:
+    def own_keys_values(self) -> Tuple[Tensor, Tensor]:
         return (self.k.repeat_interleave(self.group, 0),
                 self.v.repeat_interleave(self.group, 0))
 
@@ -277,7 +277,7 @@ class SourceAttentionCache(KeyValueCache):
         if self.group == 1:
             return
         if self.k is not None:
-            self.k, self.v = self.rows()
+            self.k, self.v = self.own_keys_values()
             if self.mask is not None:
                 self.mask = self.mask.repeat_interleave(self.group, 0)
         self.group = 1
@@ -358,7 +358,7 @@ class SelfAttentionCache(KeyValueCache):
         if moves:
             self.order = kept if self.order is None else self.order.index_select(0, kept)
 
-    def rows(self) -> Tuple[Tensor, Tensor]:
+    def own_keys_values(self) -> Tuple[Tensor, Tensor]:
         g, t = self.group, self.length
         if g == 1:
             k, v = self.k[:, :, :t], self.v[:, :, :t]
@@ -374,7 +374,7 @@ class SelfAttentionCache(KeyValueCache):
     def ungroup(self) -> None:
         if self.group == 1:
             return
-        rows = self.rows() if self.k is not None else None
+        rows = self.own_keys_values() if self.k is not None else None
         self.group, self.ancestry = 1, None
         if rows is not None:
             k, v = rows

@@ -19,7 +19,7 @@ class Embeddings(nn.Module):
     dimension d_model. ... In the embedding layers, we multiply those weights by sqrt(d_model)."
     (section 3.4)"""
 
-    def __init__(self, vocab_size: int, d_model: int, padding_idx: int, scale: bool = True):
+    def __init__(self, d_model: int, vocab_size: int, padding_idx: int, scale: bool = True):
         super().__init__()
         self.lut = nn.Embedding(vocab_size, d_model, padding_idx=padding_idx)
         self.scale = math.sqrt(d_model) if scale else 1.0

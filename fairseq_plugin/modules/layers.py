@@ -86,13 +86,14 @@ class DecoderLayer(nn.Module):
         self.sublayer = nn.ModuleList(
             [SublayerConnection(d_model, dropout, normalize_before) for _ in range(3)])
 
-    def forward(self, x: Tensor, memory: Tensor, tgt_mask: Optional[Tensor],
-                src_mask: Optional[Tensor], incremental_state: Optional[IncrementalState] = None,
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Optional[Tensor],
+                tgt_mask: Optional[Tensor], incremental_state: Optional[IncrementalState] = None,
                 need_attn: bool = False, packing: Packing = NO_PACKING
                 ) -> Tuple[Tensor, Optional[Tensor]]:
         """x (B, T, d_model), or its real rows under ``packing``; memory (B, S, d_memory);
-        tgt_mask (B, 1, 1, T) / src_mask (B, 1, 1, S), True at real tokens, or None.
-        Self-attention is causal. Returns x and, if need_attn, the source attention (B, h, T, S)."""
+        src_mask (B, 1, 1, S) / tgt_mask (B, 1, 1, T), True at real tokens, or None (the
+        notebook's order). Self-attention is also causal (``subsequent_mask``: see attend).
+        Returns x and, if need_attn, the source attention (B, h, T, S)."""
         x = self.sublayer[0](x, lambda y: self.self_attn(
             y, mask=tgt_mask, causal=True, incremental_state=incremental_state,
             packing=packing)[0])

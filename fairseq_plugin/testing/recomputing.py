@@ -35,4 +35,4 @@ def without_cache(model):
 
 def cached_rows(attention, incremental_state):
     """Each hypothesis's own cached keys and values (B, h, S, d_k) of one attention module."""
-    return attention.cache(incremental_state).rows()
+    return attention.cache(incremental_state).own_keys_values()
