@@ -43,14 +43,14 @@ def _load_with_weights_only(reverse_run, import_plugin: bool):
     TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD, of: a checkpoint of this version, one written before the
     dataclass configs (tests/data/pre_redesign, holds argparse.Namespace) and a malicious pickle."""
     script = (
-        "import io, os, sys, torch\n"
+        "import io, os, pickle, sys, torch\n"
         + (f"sys.path.insert(0, {os.path.dirname(PLUGIN_DIR)!r}); import fairseq_plugin\n"
            if import_plugin else "")
         + "def load(f):\n"
         "    try:\n"
         "        state = torch.load(f, weights_only=True)\n"
-        "    except Exception:\n"
-        "        return 'refused'\n"
+        "    except pickle.UnpicklingError as e:\n"  # torch's refusal, not any failure
+        "        return 'refused' if 'Weights only load failed' in str(e) else repr(e)\n"
         "    return 'loaded' if state.get('args') is None and 'cfg' in state else 'odd'\n"
         "class Evil:\n"
         "    def __reduce__(self): return (os.getcwd, ())\n"

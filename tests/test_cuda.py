@@ -82,7 +82,7 @@ def test_beam_search_is_the_same_with_and_without_the_cache_on_cuda():
 
 
 def test_training_on_cuda_uses_torch_dropout_and_the_fused_kernel(monkeypatch):
-    calls = {"cpu mask": 0, "fused with dropout": 0}
+    calls = {"cpu mask": 0, "torch dropout": 0, "fused with dropout": 0}
 
     def counted(name, function, counts=lambda *args, **kwargs: True):
         def wrapper(*args, **kwargs):
@@ -92,6 +92,8 @@ def test_training_on_cuda_uses_torch_dropout_and_the_fused_kernel(monkeypatch):
 
     monkeypatch.setattr(dropout._CpuDropout, "apply",
                         counted("cpu mask", dropout._CpuDropout.apply))
+    monkeypatch.setattr(F, "dropout", counted(
+        "torch dropout", F.dropout, lambda x, p=0.5, *args, **kwargs: p > 0))
     monkeypatch.setattr(F, "scaled_dot_product_attention", counted(
         "fused with dropout", F.scaled_dot_product_attention,
         lambda *args, dropout_p=0.0, **kwargs: dropout_p > 0))
@@ -101,10 +103,12 @@ def test_training_on_cuda_uses_torch_dropout_and_the_fused_kernel(monkeypatch):
     logits = model(src, torch.full((4,), 7).to(DEVICE), tgt)[0]
     logits.float().pow(2).mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-    # every attention (2 + 2 * 2 in the tiny model) fused, with its dropout; the cheaper mask of
-    # modules/dropout.py on the CPU only
+    # every attention (2 + 2 * 2 in the tiny model) fused, with its dropout; the other dropouts
+    # (2 embeddings + 2 * 2 + 2 * 3 sub-layers) torch's on CUDA, the cheaper mask of
+    # modules/dropout.py on the CPU
     assert calls["fused with dropout"] == 6
-    assert (calls["cpu mask"] > 0) == (DEVICE == "cpu")
+    on_cpu = DEVICE == "cpu"
+    assert (calls["cpu mask"], calls["torch dropout"]) == ((12, 0) if on_cpu else (0, 12))
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -76,10 +77,16 @@ def test_two_ranks_equal_one_rank_with_update_freq_2(data_bin, tmp_path, capfd):
     check_two_ranks_equal_one_rank_with_update_freq_2(data_bin, tmp_path, capfd)
 
 
-def test_a_failing_rank_stops_the_launch(tmp_path):
-    status = launch_cpu_ranks.launch([sys.executable, "-c", "import sys; sys.exit(3)"], nprocs=2,
+def test_a_failing_rank_stops_the_others_and_the_launch_fails(tmp_path, capfd):
+    # rank 0 fails at once; rank 1 would wait a minute (as a rank blocked in an all-reduce)
+    child = ("import sys, time; rank = int(sys.argv[sys.argv.index('--distributed-rank') + 1]); "
+             "time.sleep(60) if rank else sys.exit(3)")
+    start = time.monotonic()
+    status = launch_cpu_ranks.launch([sys.executable, "-c", child], nprocs=2,
                                      log_dir=str(tmp_path))
     assert status == 3
+    assert time.monotonic() - start < 15  # rank 1 was stopped, not waited for
+    assert "a rank exited with status 3; stopping the others" in capfd.readouterr().err
 
 
 def test_the_launcher_has_help_and_names_a_missing_command_in_one_line(capsys):

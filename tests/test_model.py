@@ -79,12 +79,21 @@ def test_presets_have_the_papers_sizes():
 
 
 def test_pre_ln_by_default_post_ln_on_request():
+    def sublayers(model):
+        return [s for stack in (model.encoder, model.decoder) for layer in stack.layers
+                for s in layer.sublayer]
+
     pre = build_tiny_model()
     assert pre.encoder.norm is not None and pre.decoder.norm is not None
-    assert all(s.normalize_before for s in pre.encoder.layers[0].sublayer)
+    assert len(sublayers(pre)) == 2 * 2 + 2 * 3 and all(s.normalize_before for s in sublayers(pre))
     post = build_tiny_model(post_norm=True)
     assert post.encoder.norm is None and post.decoder.norm is None
-    assert not any(s.normalize_before for s in post.decoder.layers[0].sublayer)
+    assert not any(s.normalize_before for s in sublayers(post))
+    # and what each computes: x + Sublayer(LayerNorm(x)) / LayerNorm(x + Sublayer(x))
+    x, double = torch.randn(3, 64), (lambda y: 2 * y)
+    pre_ln, post_ln = sublayers(pre)[0].eval(), sublayers(post)[0].eval()
+    assert torch.allclose(pre_ln(x, double), x + 2 * pre_ln.norm(x))
+    assert torch.allclose(post_ln(x, double), post_ln.norm(3 * x))
 
 
 def test_heads_not_dividing_d_model_is_a_clear_error():
@@ -131,16 +140,20 @@ def test_a_checkpoint_with_parameters_this_model_lacks_is_refused_in_one_line():
                        learned["encoder.layers.0.self_attn.qkv_proj.weight"])
 
 
-@pytest.mark.parametrize("flag", ["dropout", "attention_dropout", "activation_dropout"])
-@pytest.mark.parametrize("p", [1.0, -0.1, 0.99999])
+# 0.99999 rounds to 1 in the CPU dropout mask of dropout and activation_dropout; attention's
+# dropout is torch's (test below)
+@pytest.mark.parametrize("flag, p", [
+    (flag, p) for flag in ("dropout", "attention_dropout", "activation_dropout")
+    for p in (1.0, -0.1, 0.99999) if (flag, p) != ("attention_dropout", 0.99999)])
 def test_a_dropout_that_is_not_a_probability_is_a_clear_error(flag, p):
-    if flag == "attention_dropout" and p == 0.99999:
-        build_tiny_model(**{flag: p})  # torch's dropout: any p below 1
-        return
-    # 0.99999 rounds to 1 in the CPU dropout mask of the other two
     with pytest.raises(PluginError, match=f"--{flag.replace('_', '-')} {p} is not a probability"):
         build_tiny_model(**{flag: p})
     build_tiny_model(**{flag: 0.9999})  # below 1 - 2^-16: allowed
+
+
+def test_attention_dropout_is_torchs_and_takes_any_p_below_1():
+    model = build_tiny_model(attention_dropout=0.99999)
+    assert model.encoder.layers[0].self_attn.dropout.p == 0.99999
 
 
 def test_too_long_source_is_a_clear_error():
@@ -315,14 +328,22 @@ def test_skipping_padding_changes_no_result(left_pad_target):
         tgt[0, :2] = d.pad()
     tgt[3, 2:] = d.pad()
     real = tgt.ne(d.pad())
+    rows = []  # the positions the first feed-forward network of each stack works on
+    for layer in (model.encoder.layers[0], model.decoder.layers[0]):
+        layer.feed_forward.register_forward_hook(
+            lambda _, args, out: rows.append(args[0].shape[:-1].numel()))
     results = []
     for skip in (True, False):
         model.encoder.skip_padding = model.decoder.skip_padding = skip
         model.zero_grad()
+        rows.clear()
         logits = model(src, src.ne(d.pad()).sum(1), tgt)[0]
         (logits[real].float().pow(2).mean()).backward()
-        results.append((logits[real].detach(), [p.grad.clone() for p in model.parameters()]))
-    (packed, packed_grads), (plain, plain_grads) = results
+        results.append((logits[real].detach(), [p.grad.clone() for p in model.parameters()],
+                        list(rows)))
+    (packed, packed_grads, packed_rows), (plain, plain_grads, plain_rows) = results
+    assert packed_rows == [int(src.ne(d.pad()).sum()), int(real.sum())]  # real tokens only
+    assert plain_rows == [src.numel(), tgt.numel()]
     assert torch.allclose(packed, plain, atol=1e-5)
     for a, b in zip(packed_grads, plain_grads):
         assert torch.allclose(a, b, atol=1e-5)

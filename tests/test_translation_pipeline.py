@@ -153,6 +153,15 @@ def test_short_run_generates_and_scores_with_sacrebleu(trained):
                    if line.startswith("D-")}
     hyps = [detokenised[i] for i in range(60)]
     assert not any("@@" in h for h in hyps)
+    # each D- line is its H- line with the BPE joined and Moses-detokenised
+    from sacremoses import MosesDetokenizer
+
+    tokenised = {int(line.split("\t")[0][2:]): (line.split("\t", 2)[2] + " ").replace("@@ ", "")
+                 for line in (ckpt / "generate-test.txt").read_text().splitlines()
+                 if line.startswith("H-")}
+    detokenise = MosesDetokenizer("en").detokenize
+    assert hyps == [detokenise(tokenised[i].split()) for i in range(60)]
+    assert any(h != tokenised[i].strip() for i, h in enumerate(hyps))  # e.g. "beer ." -> "beer."
     refs = (w / "bin" / "raw" / "test.en").read_text(encoding="utf-8").splitlines()
     printed = next(line for line in lines if line.startswith("BLEU = ")).split()[2]
     assert printed == f"{sacrebleu.corpus_bleu(hyps, [refs]).score:.2f}"
@@ -299,6 +308,14 @@ def test_attention_heatmaps_are_pngs_of_rows_summing_to_one(prepared, trained, t
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
         for row in weights:
             assert abs(sum(row) - 1.0) < 1e-5
+    for kind in ("encoder_self", "decoder_self", "decoder_source"):  # each head its own map
+        for layer in range(2):
+            maps = [drawn[str(tmp_path / "all" / f"{kind}_layer{layer}_head{h}.png")]
+                    for h in range(4)]
+            assert all(maps[0] != other for other in maps[1:]), (kind, layer)
+    for p, wts in drawn.items():  # the decoder's self-attention sees no later position
+        if "decoder_self" in p:
+            assert all(w == 0 for i, row in enumerate(wts) for w in row[i + 1:]), p
     decoder_rows = {len(wts) for p, wts in drawn.items() if "decoder" in p}
     assert len(decoder_rows) == 1 and decoder_rows.pop() <= 12 + 1  # max_len_b tokens + eos
     source_maps = [wts for p, wts in drawn.items() if "decoder_source" in p]
@@ -331,7 +348,7 @@ def test_heatmaps_refuse_a_missing_checkpoint_an_empty_sentence_and_absent_layer
     assert not (tmp_path / "maps").exists()
 
 
-def test_the_demo_replaces_only_a_data_bin_an_earlier_demo_made(tmp_path):
+def test_the_demo_goes_on_only_over_a_data_bin_an_earlier_demo_made(tmp_path):
     import runpy
 
     demo = runpy.run_path(os.path.join(REPO, "scripts", "translation_demo.py"))
