@@ -31,13 +31,13 @@ class PluginError(ValueError, CompactHydraException):
     """A user-facing error whose message says what is wrong and how to fix it."""
 
 
-def spelling_hint(name: str, known) -> str:
+def spelling_hint(name: str, known, listed_in: str = "") -> str:
     """'did you mean X?' for the known name closest to a misspelled one, else where to look.
     (fairseq-train --help cannot list a model's options: it answers before adding them.)"""
     close = difflib.get_close_matches(name, list(known), n=1)
     if close:
         return f"did you mean {close[0]}?"
-    return "check its spelling (the README's Flags section lists the options)"
+    return "check its spelling" + (f" ({listed_in} lists the options)" if listed_in else "")
 
 
 def one_line_error(exc: BaseException):
@@ -151,8 +151,10 @@ def report_unknown_options_in_one_line():
             where = f"{groups[0]}.{e.key}" if groups else str(e.key)
             names = ([f.name for f in dataclasses.fields(e.object_type)]
                      if dataclasses.is_dataclass(e.object_type) else [])
+            ours = getattr(e.object_type, "__module__", "").startswith("fairseq_plugin")
+            listed_in = "the README's Flags section" if ours else ""
             raise PluginError(f"unknown option {where}: {config} has no field '{e.key}'; "
-                              f"{spelling_hint(str(e.key), names)}")
+                              f"{spelling_hint(str(e.key), names, listed_in)}")
 
     add_defaults.fairseq_plugin_hook = True
     train.add_defaults = add_defaults

@@ -50,7 +50,7 @@ def _load_with_weights_only(reverse_run, import_plugin: bool):
         "    try:\n"
         "        state = torch.load(f, weights_only=True)\n"
         "    except pickle.UnpicklingError as e:\n"  # torch's refusal, not any failure
-        "        return 'refused' if 'Weights only load failed' in str(e) else repr(e)\n"
+        "        return 'refused' if 'Weights only load failed' in str(e) else type(e).__name__\n"
         "    return 'loaded' if state.get('args') is None and 'cfg' in state else 'odd'\n"
         "class Evil:\n"
         "    def __reduce__(self): return (os.getcwd, ())\n"

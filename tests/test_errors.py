@@ -9,7 +9,7 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from fairseq_plugin.errors import TRACEBACK_VARIABLE, PluginError, one_line_error
+from fairseq_plugin.errors import TRACEBACK_VARIABLE, PluginError, one_line_error, spelling_hint
 from conftest import assert_one_line_error, cli, torch_version
 
 RAISE = ("import fairseq_plugin\n"
@@ -123,3 +123,11 @@ def test_a_checkpoint_refused_by_weights_only_is_not_called_damaged(tmp_path, zi
     error = raised(lambda: checkpoint_utils.load_checkpoint_to_cpu(str(path)))
     assert not isinstance(error, PluginError)
     assert "Weights only load failed" in str(error) and "damaged" not in str(error)
+
+
+def test_a_misspelled_name_gets_the_closest_known_one_else_where_the_names_are_listed():
+    known = ["encoder_layers", "decoder_layers", "dropout"]
+    assert spelling_hint("encoder_layer", known) == "did you mean encoder_layers?"
+    assert spelling_hint("xyz", known, "the README's Flags section") == (
+        "check its spelling (the README's Flags section lists the options)")
+    assert spelling_hint("xyz", known) == "check its spelling"

@@ -161,7 +161,7 @@ def test_short_run_generates_and_scores_with_sacrebleu(trained):
                  if line.startswith("H-")}
     detokenise = MosesDetokenizer("en").detokenize
     assert hyps == [detokenise(tokenised[i].split()) for i in range(60)]
-    assert any(h != tokenised[i].strip() for i, h in enumerate(hyps))  # e.g. "beer ." -> "beer."
+    assert "'tokenizer': {'_name': 'moses'" in (ckpt / "generate-test.log").read_text()
     refs = (w / "bin" / "raw" / "test.en").read_text(encoding="utf-8").splitlines()
     printed = next(line for line in lines if line.startswith("BLEU = ")).split()[2]
     assert printed == f"{sacrebleu.corpus_bleu(hyps, [refs]).score:.2f}"
@@ -312,7 +312,7 @@ def test_attention_heatmaps_are_pngs_of_rows_summing_to_one(prepared, trained, t
         for layer in range(2):
             maps = [drawn[str(tmp_path / "all" / f"{kind}_layer{layer}_head{h}.png")]
                     for h in range(4)]
-            assert all(maps[0] != other for other in maps[1:]), (kind, layer)
+            assert len({repr(m) for m in maps}) == 4, (kind, layer)
     for p, wts in drawn.items():  # the decoder's self-attention sees no later position
         if "decoder_self" in p:
             assert all(w == 0 for i, row in enumerate(wts) for w in row[i + 1:]), p

@@ -499,8 +499,9 @@ def _check_known_options(cfg, config):
     known = {f.name for f in fields(config)}
     unknown = sorted(k for k in cfg.keys() if k not in known)
     if unknown:
+        hint = spelling_hint(unknown[0], known, "the README's Flags section")
         raise PluginError(f"unknown model option '{unknown[0]}' (model.{unknown[0]}), not a "
-                          f"field of {config.__name__}; {spelling_hint(unknown[0], known)}")
+                          f"field of {config.__name__}; {hint}")
 
 
 def resolved_model_config(model_cfg) -> Optional[Namespace]:
@@ -525,7 +526,7 @@ def register_preset(name: str, summary: str, **defaults):
         [(f.name, f.type, field(default=defaults.get(f.name, f.default), metadata=f.metadata))
          for f in fields(AnnotatedTransformerConfig)],
         bases=(AnnotatedTransformerConfig,))
-    config.__doc__ = summary
+    config.__doc__, config.__module__ = summary, __name__
     model = type(config.__name__.replace("Config", "Model"), (AnnotatedTransformerModel,),
                  {"__doc__": summary, "__module__": __name__})
     return register_model(name, dataclass=config)(model)

@@ -146,7 +146,8 @@ class MultiHeadedAttention(nn.Module):
     def __init__(self, heads: int, d_model: int, dropout: float = 0.0, self_attention: bool = True,
                  memory_dim: Optional[int] = None):
         super().__init__()
-        assert d_model % heads == 0, "d_model must be a multiple of h"
+        if heads <= 0 or d_model % heads:
+            raise ValueError(f"d_model {d_model} is not a multiple of h = {heads}")
         self.h = heads
         self.d_k = d_model // heads
         self.self_attention = self_attention
