@@ -249,8 +249,8 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
 
 def step_ratio_line(name, ours, theirs):
     """fairseq's time over ``name``'s for the same steps: in all, and the median per step."""
-    return (f"{THEIRS} / {name}: {sum(theirs) / sum(ours):.3f}x in all ({sum(theirs):.2f} s / "
-            f"{sum(ours):.2f} s), median of the per-step ratios "
+    return (f"{THEIRS} / {name}: {sum(theirs) / sum(ours):.3f}x in all ({sum(theirs):.3f} s / "
+            f"{sum(ours):.3f} s), median of the per-step ratios "
             f"{statistics.median(b / a for a, b in zip(ours, theirs)):.3f}x")
 
 
