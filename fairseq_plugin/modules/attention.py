@@ -10,7 +10,8 @@ representation subspaces at different positions." MultiHead(Q, K, V) = Concat(he
 
 The plain notebook version is ``fairseq_plugin.reference.MultiHeadedAttention``; this one adds
 fused projections, a fused attention kernel, the decoding cache (cache.py) and, in training,
-position-wise work on real tokens only (packing.py), and is tested against it. Shapes: B batch, T query length, S key length, h heads, d_k = d_model / h.
+position-wise work on real tokens only (packing.py), and is tested against it.
+Shapes: B batch, T query length, S key length, h heads, d_k = d_model / h.
 """
 
 import contextlib

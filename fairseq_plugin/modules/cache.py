@@ -11,8 +11,9 @@ instead of recomputing them from the whole prefix. Two caches share one interfac
 
 The interface (``KeyValueCache``): ``is_empty`` and ``distinct_rows`` (which new keys and values it
 needs), ``append`` them, ``keys_values`` to attend to, ``reorder`` to follow beam search,
-``own_keys_values`` for each hypothesis's own keys and values, and ``ungroup``. Attention asks its cache for keys and
-values the same way whichever kind it has (its own kind decides only which projections it runs).
+``own_keys_values`` for each hypothesis's own keys and values, and ``ungroup``. Attention asks
+its cache for keys and values the same way whichever kind it has (its own kind decides only which
+projections it runs).
 
 Beam search keeps g hypotheses per sentence (g = the beam size that fairseq's SequenceGenerator
 hands the model through ``set_beam_size``) in g consecutive rows, and after every step reorders
@@ -132,9 +133,9 @@ def _shared_plans(new_order: Tensor) -> dict:
 class Ancestry:
     """Which of its group's keys each of the B rows descends from, in a grouped self-attention
     cache: an additive mask (B, C * g rounded up to a multiple of MASK_ALIGNMENT), 0 at key
-    s * g + r when the row's ancestor at step s was the hypothesis in row r, -inf elsewhere. It is the same in every layer: the decoder keeps one
-    for all its self-attention caches, adds each step before the layers run and reorders it with
-    the caches. (A reorder that takes a row out of its group leaves it as it is: the caches then
+    s * g + r when the row's ancestor at step s was the hypothesis in row r, -inf elsewhere. It
+    is the same in every layer: the decoder keeps one for all its self-attention caches, adds each
+    step before the layers run and reorders it with the caches. (A reorder that takes a row out of its group leaves it as it is: the caches then
     read it once more, to fall back to one history per row.)"""
 
     def __init__(self, rows: int, group: int, dtype: torch.dtype, device):
