@@ -135,8 +135,9 @@ class Ancestry:
     cache: an additive mask (B, C * g rounded up to a multiple of MASK_ALIGNMENT), 0 at key
     s * g + r when the row's ancestor at step s was the hypothesis in row r, -inf elsewhere. It
     is the same in every layer: the decoder keeps one for all its self-attention caches, adds each
-    step before the layers run and reorders it with the caches. (A reorder that takes a row out of its group leaves it as it is: the caches then
-    read it once more, to fall back to one history per row.)"""
+    step before the layers run and reorders it with the caches. (A reorder that takes a row out
+    of its group leaves it as it is: the caches then read it once more, to fall back to one
+    history per row.)"""
 
     def __init__(self, rows: int, group: int, dtype: torch.dtype, device):
         if group < 2 or rows % group:
