@@ -67,6 +67,8 @@ def test_criterion_in_fairseq_is_the_notebooks_label_smoothing_of_the_models_out
     assert torch.allclose(log["nll_loss"].double(),
                           -lprobs[real].gather(1, target[real, None]).sum(), rtol=1e-5)
     assert set(log) >= {"loss", "nll_loss", "ntokens", "nsentences", "sample_size"}
+    assert (log["ntokens"], log["nsentences"], log["sample_size"]) == (13, 3, 13)
+    assert float(log["loss"]) == pytest.approx(float(loss), rel=1e-6)
 
 
 class _Optimizer(FairseqOptimizer):
