@@ -612,8 +612,14 @@ def test_encoder_reorders_copy_only_when_rows_change_and_mark_only_true_copies()
     assert torch.equal(crossed["encoder_out"][0], x[[0, 1, 1, 1, 2, 2, 3, 3]])
 
 
-@pytest.mark.parametrize("kind", ["prefix", "constraints"])
-def test_beam_search_with_prefixes_or_constraints_is_the_same_with_and_without_cache(kind):
+SEARCHES = ["prefix", "constraints", "diverse beam groups", "diverse siblings", "sampling"]
+
+
+@pytest.mark.parametrize("kind", SEARCHES)
+def test_fairseqs_other_searches_give_the_same_hypotheses_with_and_without_cache(kind):
+    """Prefixes (--prefix-size), constraints (--constraints), diverse beam search
+    (--diverse-beam-groups, --diversity-rate) and sampling (--sampling) each reorder the beam in
+    their own pattern; none may see a difference between the cache and the full prefix."""
     from fairseq import search
     from fairseq.token_generation_constraints import pack_constraints
 
@@ -626,13 +632,20 @@ def test_beam_search_with_prefixes_or_constraints_is_the_same_with_and_without_c
     options, extra = {}, {}
     if kind == "prefix":
         extra["prefix_tokens"] = random_tokens(d, 3, 2)
-    else:
+    elif kind == "constraints":
         options["search_strategy"] = search.LexicallyConstrainedBeamSearch(d, "ordered")
         phrases = [[random_tokens(d, 1, 2)[0]], [random_tokens(d, 1, 1)[0]], []]
         extra["constraints"] = pack_constraints(phrases)
+    elif kind == "diverse beam groups":
+        options["search_strategy"] = search.DiverseBeamSearch(d, 2, diversity_strength=0.5)
+    elif kind == "diverse siblings":
+        options["search_strategy"] = search.DiverseSiblingsSearch(d, diversity_rate=0.5)
+    else:
+        options["search_strategy"] = search.Sampling(d, sampling_topk=10)
 
     def generate(m):
         gen = SequenceGenerator([m], d, beam_size=4, max_len_b=10, **options)
+        torch.manual_seed(7)  # the same draws for both (sampling)
         with torch.no_grad():
             return gen.generate([m], sample, **extra)
 
@@ -641,14 +654,46 @@ def test_beam_search_with_prefixes_or_constraints_is_the_same_with_and_without_c
         assert [h["tokens"].tolist() for h in hyps_a] == [h["tokens"].tolist() for h in hyps_b]
         for a, b in zip(hyps_a, hyps_b):
             assert abs(float(a["score"]) - float(b["score"])) <= 1e-4
+    # each search really searched: the beams hold different hypotheses
+    assert any(len({tuple(h["tokens"].tolist()) for h in hyps}) > 1 for hyps in cached)
     if kind == "prefix":
         assert all(torch.equal(h["tokens"][:2], p) for hs, p in zip(cached, extra["prefix_tokens"])
                    for h in hs)
-    else:  # every hypothesis holds its sentence's constraint, in order
+    elif kind == "constraints":  # every hypothesis holds its sentence's constraint, in order
         for hyps, phrase in zip(cached, ([int(t) for t in c[0]] if c else [] for c in phrases)):
             for h in hyps:
                 tokens = h["tokens"].tolist()
                 assert any(tokens[i:i + len(phrase)] == phrase for i in range(len(tokens))), phrase
+
+
+def test_an_ensemble_of_two_models_gives_the_same_hypotheses_with_and_without_cache():
+    """fairseq-generate --path a.pt:b.pt: each model keeps its own cache in the ensemble."""
+    d = make_dictionary(40)
+    torch.manual_seed(1)
+    first = build_tiny_model(d)
+    torch.manual_seed(2)
+    second = build_tiny_model(d)
+    with torch.no_grad():
+        for m in (first, second):
+            m.decoder.generator.proj.weight.mul_(4.0)
+    src, lengths = padded_sources(d, [6, 9, 4, 7], left_pad=True)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
+
+    def generate(models):
+        gen = SequenceGenerator(models, d, beam_size=4, max_len_b=10)
+        with torch.no_grad():
+            return gen.generate(models, sample)
+
+    cached = generate([first, second])
+    recomputed = generate([without_cache(first), without_cache(second)])
+    alone = generate([first])
+    for hyps_a, hyps_b in zip(cached, recomputed):
+        assert [h["tokens"].tolist() for h in hyps_a] == [h["tokens"].tolist() for h in hyps_b]
+        for a, b in zip(hyps_a, hyps_b):
+            assert abs(float(a["score"]) - float(b["score"])) <= 1e-4
+    # the second model takes part: the ensemble's scores are not the first model's alone
+    assert any(abs(float(a[0]["score"]) - float(b[0]["score"])) > 1e-3
+               for a, b in zip(cached, alone))
 
 
 @pytest.mark.parametrize("kernel", [FUSED, "explicit"])
