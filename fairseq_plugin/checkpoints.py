@@ -8,7 +8,9 @@ refuses ("Unsupported global: argparse.Namespace"), so fairseq-generate, fairseq
 
 Rather than switching ``weights_only`` off for every ``torch.load`` in the process (or asking for
 TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1), we add the few plain-data classes a fairseq checkpoint holds
-to torch's allowlist. Loading stays restricted: no other global can be unpickled. torch < 2.4
+to torch's allowlist: the Namespace, and numpy arrays of numbers (the BLEU counts that
+fairseq-train --eval-bleu keeps in its saved metrics). Loading stays restricted: no other global
+can be unpickled. torch < 2.4
 has no allowlist and needs none: its ``torch.load`` default (``weights_only=False`` until 2.6)
 reads a Namespace, as fairseq 0.12.2 expects.
 
@@ -24,13 +26,27 @@ import pickle
 import traceback
 import zipfile
 
+import numpy as np
 import torch
 from fairseq import checkpoint_utils
 
 from .errors import PluginError
 
+
+
+def numeric_numpy_array_globals() -> list:
+    """What unpickling a numpy array of numbers takes: numpy's array rebuilder, ``ndarray``,
+    ``dtype`` and the dtype class of each numeric type. fairseq-train --eval-bleu keeps its BLEU
+    n-gram counts as int64 arrays in the metrics it saves with every checkpoint. Arrays of
+    Python objects stay refused (their dtype class is not among these)."""
+    numeric = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+               np.uint64, np.float16, np.float32, np.float64]
+    rebuild = np.ndarray(0).__reduce__()[0]  # numpy._core.multiarray._reconstruct (1.x: core)
+    return [rebuild, np.ndarray, np.dtype] + [type(np.dtype(t)) for t in numeric]
+
+
 # what fairseq's trainer writes besides tensors, dicts, lists and numbers
-CHECKPOINT_SAFE_GLOBALS = [argparse.Namespace]
+CHECKPOINT_SAFE_GLOBALS = [argparse.Namespace] + numeric_numpy_array_globals()
 
 
 # torch >= 2.4 (the allowlist came in 2.4, the weights_only default in 2.6)

@@ -325,7 +325,9 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
         "criterion": raw.get("criterion"),
         "optimizer_history": history,
         "task_state": raw.get("task_state", {}),
-        "extra_state": raw.get("extra_state", {}),
+        # the training run's meters stay behind (under --eval-bleu they hold numpy arrays,
+        # which torch's weights_only loader refuses without this plugin)
+        "extra_state": {k: v for k, v in raw.get("extra_state", {}).items() if k != "metrics"},
         # no optimizer state: fine-tune an export with --reset-optimizer --reset-lr-scheduler
         "last_optimizer_state": None,
     }

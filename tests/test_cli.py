@@ -41,9 +41,11 @@ def test_interactive_translates_stdin_like_generate(reverse_run, generated):
 def _load_with_weights_only(reverse_run, import_plugin: bool):
     """torch.load(weights_only=True) (torch >= 2.6's default) in a fresh process, without
     TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD, of: a checkpoint of this version, one written before the
-    dataclass configs (tests/data/pre_redesign, holds argparse.Namespace) and a malicious pickle."""
+    dataclass configs (tests/data/pre_redesign, holds argparse.Namespace), a malicious pickle,
+    a state with numpy arrays of numbers (as --eval-bleu's saved metrics) and one with an array
+    of Python objects."""
     script = (
-        "import io, os, pickle, sys, torch\n"
+        "import io, os, pickle, sys, numpy, torch\n"
         + (f"sys.path.insert(0, {os.path.dirname(PLUGIN_DIR)!r}); import fairseq_plugin\n"
            if import_plugin else "")
         + "def load(f):\n"
@@ -54,8 +56,12 @@ def _load_with_weights_only(reverse_run, import_plugin: bool):
         "    return 'loaded' if state.get('args') is None and 'cfg' in state else 'odd'\n"
         "class Evil:\n"
         "    def __reduce__(self): return (os.getcwd, ())\n"
-        "buf = io.BytesIO(); torch.save({'cfg': Evil()}, buf); buf.seek(0)\n"
-        "print(load(sys.argv[1]), load(sys.argv[2]), load(buf))\n"
+        "def saved(state):\n"
+        "    buf = io.BytesIO(); torch.save(state, buf); buf.seek(0); return buf\n"
+        "counts = {'cfg': {}, 'metrics': [numpy.array([3, 2]), numpy.array([0.5], 'float32')]}\n"
+        "objects = {'cfg': {}, 'metrics': numpy.array(['a', None], dtype=object)}\n"
+        "print(load(sys.argv[1]), load(sys.argv[2]), load(saved({'cfg': Evil()})),\n"
+        "      load(saved(counts)), load(saved(objects)))\n"
     )
     env = dict(os.environ)
     env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
@@ -66,17 +72,18 @@ def _load_with_weights_only(reverse_run, import_plugin: bool):
 
 def test_checkpoint_of_this_version_loads_with_weights_only_without_the_plugin(reverse_run):
     """It holds plain containers only (the model's options are a dataclass config); the old
-    format's argparse.Namespace and any other class are refused."""
+    format's argparse.Namespace, numpy arrays and any other class are refused."""
     assert _load_with_weights_only(reverse_run, import_plugin=False) == [
-        "loaded", "refused", "refused"]
+        "loaded", "refused", "refused", "refused", "refused"]
 
 
 @pytest.mark.skipif(not checkpoints.HAS_ALLOWLIST,
                     reason="torch < 2.4 has no weights_only allowlist (torch.load's default there "
                            "reads argparse.Namespace, as fairseq 0.12.2 expects)")
-def test_plugin_allowlists_the_old_checkpoints_namespace_and_nothing_else(reverse_run):
+def test_plugin_allowlists_the_old_checkpoints_namespace_and_numeric_arrays_and_nothing_else(
+        reverse_run):
     assert _load_with_weights_only(reverse_run, import_plugin=True) == [
-        "loaded", "loaded", "refused"]
+        "loaded", "loaded", "refused", "loaded", "refused"]
 
 
 def test_restore_file_continues_training(reverse_run, tmp_path):
@@ -89,6 +96,75 @@ def test_restore_file_continues_training(reverse_run, tmp_path):
     assert f"Loaded checkpoint {reverse_run['checkpoint']} (epoch {REVERSE_EPOCHS + 1} @ " in log
     assert f"end of epoch {REVERSE_EPOCHS + 1}" in log
     assert (save / "checkpoint_last.pt").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# fairseq's other commands on the trained model
+# ------------------------------------------------------------------------------------------
+
+def _logged(line: str, key: str) -> str:
+    """The value after "| key " in one of fairseq's log lines."""
+    return line.split(f"| {key} ", 1)[1].split(" |")[0].strip()
+
+
+def test_fairseq_validate_gives_the_validation_loss_that_training_logged(reverse_run):
+    """fairseq-validate on the last checkpoint reproduces the last epoch's validation (the
+    model in evaluation mode is deterministic, whether the trainer or another process runs it)."""
+    trained = [line for line in reverse_run["train_log"].splitlines()
+               if "valid on 'valid' subset" in line][-1]
+    out = cli("fairseq-validate", reverse_run["data_bin"], "--task", "translation",
+              "--user-dir", PLUGIN_DIR, "--path", reverse_run["checkpoint"], "--cpu",
+              "--valid-subset", "valid", "--max-tokens", "2048")
+    validated = [line for line in (out.stdout + out.stderr).splitlines()
+                 if "valid on 'valid' subset" in line][-1]
+    for key in ("loss", "nll_loss"):
+        assert _logged(validated, key) == _logged(trained, key), (validated, trained)
+
+
+def test_score_reference_gives_beam_search_its_scores_where_the_hypothesis_is_the_reference(
+        reverse_run, generated):
+    """fairseq-generate --score-reference scores each reference in one full pass (no cache);
+    where beam search found the reference, it must have given it the same score step by step."""
+    from fairseq_plugin.cli.reverse_task import generate_command
+
+    def scores(*extra):
+        out = cli(*generate_command(str(reverse_run["data_bin"]), str(reverse_run["checkpoint"])),
+                  *extra)
+        hyps = {}
+        for line in out.stdout.splitlines():
+            if line.startswith("H-"):
+                idx, score, tokens = line[2:].split("\t")
+                hyps[int(idx)] = (float(score), tokens)
+        return hyps
+
+    searched, referenced = scores(), scores("--score-reference")
+    found = [i for i, (_, ref, hyp) in generated.items() if hyp == ref]
+    assert len(referenced) == 500 and len(found) >= 450
+    for i in found:
+        assert referenced[i][1] == searched[i][1]
+        assert abs(referenced[i][0] - searched[i][0]) <= 1e-4, (i, referenced[i], searched[i])
+
+
+def test_validation_bleu_during_training_equals_fairseq_generates(reverse_run, tmp_path):
+    """--eval-bleu (beam search inside fairseq-train's validation, after training steps in the
+    same process) scores the validation set as fairseq-generate does with the saved model."""
+    save = tmp_path / "eval-bleu"
+    proc = cli(*reverse_task.train_command(
+        str(reverse_run["data_bin"]), str(save), REVERSE_EPOCHS + 1, seed=REVERSE_SEED,
+        extra=["--restore-file", str(reverse_run["checkpoint"]), "--eval-bleu",
+               "--required-batch-size-multiple", "1",  # validate every sentence (#5036)
+               "--eval-bleu-args", '{"beam": 5}', "--best-checkpoint-metric", "bleu",
+               "--maximize-best-checkpoint-metric"]))
+    validated = [line for line in (proc.stdout + proc.stderr).splitlines()
+                 if "valid on 'valid' subset" in line][-1]
+    during_training = float(_logged(validated, "bleu"))
+    out = cli(*reverse_task.generate_command(str(reverse_run["data_bin"]),
+                                             str(save / "checkpoint_last.pt")),
+              "--gen-subset", "valid", "--scoring", "sacrebleu")
+    generated_bleu = float(out.stdout.strip().splitlines()[-1].split("BLEU = ")[1].split()[0])
+    print(f"validation BLEU: {during_training} during training, {generated_bleu} generated")
+    assert during_training >= 90
+    assert abs(during_training - generated_bleu) <= 0.01
 
 
 # ------------------------------------------------------------------------------------------

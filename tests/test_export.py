@@ -142,6 +142,28 @@ def test_export_command_checks_logits_and_writes_a_plain_fairseq_checkpoint(expo
     assert proc.stdout.split() == ["transformer", "True", "True"]
 
 
+def test_the_export_of_an_eval_bleu_run_loads_with_weights_only_without_the_plugin(
+        reverse_run, tmp_path):
+    """fairseq-train --eval-bleu saves numpy arrays (its BLEU counts) in the checkpoint's
+    metrics; the export leaves the training run's meters behind, so stock torch still loads it."""
+    import numpy as np
+
+    state = torch.load(reverse_run["checkpoint"], weights_only=False)
+    state["extra_state"]["metrics"] = {"valid": [("_bleu_counts", {"sum": np.array([9, 7])})]}
+    with_counts = tmp_path / "checkpoint_eval_bleu.pt"
+    torch.save(state, with_counts)
+    proc = export_cli(with_counts, "--output", tmp_path / "transformer.pt")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    script = ("import sys, torch\n"
+              "state = torch.load(sys.argv[1], weights_only=True)\n"
+              "print(sorted(state['extra_state']))\n")
+    loaded = subprocess.run([sys.executable, "-c", script, str(tmp_path / "transformer.pt")],
+                            capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    kept = sorted(k for k in state["extra_state"] if k != "metrics")
+    assert loaded.stdout.strip() == str(kept)
+
+
 def test_fairseq_generate_without_the_plugin_translates_like_the_original(
         reverse_run, generated, exported):
     out = cli("fairseq-generate", reverse_run["data_bin"], "--path", exported["checkpoint"],
