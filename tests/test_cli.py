@@ -145,6 +145,20 @@ def test_score_reference_gives_beam_search_its_scores_where_the_hypothesis_is_th
         assert abs(referenced[i][0] - searched[i][0]) <= 1e-4, (i, referenced[i], searched[i])
 
 
+def test_generate_with_retain_dropout_decodes_with_dropout_on(reverse_run):
+    """fairseq-generate --retain-dropout (Monte Carlo dropout) reaches every dropout: beam
+    search's scores then change with --seed; without the flag they do not."""
+    def scores(seed, *extra):
+        out = cli(*reverse_task.generate_command(str(reverse_run["data_bin"]),
+                                                 str(reverse_run["checkpoint"])),
+                  "--seed", seed, *extra)
+        return [line.split("\t")[1] for line in out.stdout.splitlines() if line.startswith("H-")]
+
+    plain = scores(1)
+    assert len(plain) == 500 and plain == scores(2)
+    assert scores(1, "--retain-dropout") != scores(2, "--retain-dropout")
+
+
 def test_validation_bleu_during_training_equals_fairseq_generates(reverse_run, tmp_path):
     """--eval-bleu (beam search inside fairseq-train's validation, after training steps in the
     same process) scores the validation set as fairseq-generate does with the saved model."""

@@ -84,6 +84,72 @@ def test_training_the_model_on_the_cpu_draws_the_cheaper_mask_and_fuses_attentio
     model = build_tiny_model(d, dropout=0.3, attention_dropout=0.1).train()
     src, tgt = random_tokens(d, 4, 7), random_tokens(d, 4, 6)
     model(src, torch.full((4,), 7), tgt)[0].float().pow(2).mean().backward()
-    dropouts = sum(isinstance(m, Dropout) and m.p > 0 for m in model.modules())
+    dropouts = sum(isinstance(m, Dropout) and m.p > 0 and m.cpu_mask for m in model.modules())
     assert dropouts == 2 + 2 * 2 + 2 * 3  # embeddings, encoder and decoder sub-layers
     assert calls == {"cpu mask": dropouts, "fused with dropout": 2 + 2 * 2}
+
+
+def prepared_for_inference(retain_dropout, modules=None):
+    """A model as fairseq-generate prepares it (``prepare_for_inference_``), with
+    --retain-dropout and --retain-dropout-modules as given."""
+    from omegaconf import OmegaConf
+
+    from conftest import build_tiny_model, make_dictionary
+
+    model = build_tiny_model(make_dictionary(), dropout=0.3, attention_dropout=0.2,
+                             activation_dropout=0.1)
+    model.prepare_for_inference_(OmegaConf.create({"generation": {
+        "beam": 5, "print_alignment": False, "retain_dropout": retain_dropout,
+        "retain_dropout_modules": modules}}))
+    return model
+
+
+def retained(model):
+    return {m.module_name for m in model.modules() if isinstance(m, Dropout) and m.retained}
+
+
+def two_inference_passes(model, monkeypatch):
+    """The decoder's output twice for the same batch, and how often attention's fused kernel
+    was handed a dropout probability."""
+    import torch.nn.functional as F
+
+    from conftest import random_tokens
+
+    fused, calls = F.scaled_dot_product_attention, {"fused with dropout": 0}
+
+    def counted_fused(*args, dropout_p=0.0, **kwargs):
+        calls["fused with dropout"] += dropout_p > 0
+        return fused(*args, dropout_p=dropout_p, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted_fused)
+    d = model.decoder.dictionary
+    src, tgt = random_tokens(d, 4, 7), random_tokens(d, 4, 6)
+    with torch.no_grad():
+        outs = [model(src, torch.full((4,), 7), tgt)[0] for _ in range(2)]
+    return outs, calls["fused with dropout"]
+
+
+def test_retain_dropout_keeps_every_dropout_on_in_inference(monkeypatch):
+    """fairseq-generate --retain-dropout (Monte Carlo dropout): the model is in evaluation mode,
+    yet every dropout, attention's in the fused kernel too, still drops."""
+    model = prepared_for_inference(retain_dropout=True)
+    assert not model.training
+    assert retained(model) == {"EmbeddingLayer", "SublayerConnection", "PositionwiseFeedForward",
+                               "MultiHeadedAttention"}
+    (first, second), fused_with_dropout = two_inference_passes(model, monkeypatch)
+    assert not torch.allclose(first, second)
+    assert fused_with_dropout == 2 * (2 + 2 * 2)  # two passes: 2 encoder, 2 x 2 decoder attentions
+
+
+def test_retain_dropout_modules_keeps_only_the_named_owners_dropout_on(monkeypatch):
+    model = prepared_for_inference(retain_dropout=True, modules=["MultiHeadedAttention"])
+    assert retained(model) == {"MultiHeadedAttention"}
+    (first, second), fused_with_dropout = two_inference_passes(model, monkeypatch)
+    assert not torch.allclose(first, second) and fused_with_dropout == 12
+
+
+def test_without_retain_dropout_inference_drops_nothing(monkeypatch):
+    model = prepared_for_inference(retain_dropout=False)
+    assert retained(model) == set()
+    (first, second), fused_with_dropout = two_inference_passes(model, monkeypatch)
+    assert torch.equal(first, second) and fused_with_dropout == 0

@@ -469,7 +469,7 @@ def _check_flags(args):
                            getattr(args, f"{side}_attention_heads"), side)
     for flag in ("dropout", "activation_dropout", "attention_dropout"):
         p = getattr(args, flag)
-        # attention's dropout is torch's (nn.Dropout or the fused kernel), not our CPU mask
+        # attention's dropout is torch's (F.dropout or the fused kernel), not our CPU mask
         if not (0.0 <= p < 1.0 if flag == "attention_dropout" else is_drop_probability(p)):
             bound = "1" if flag == "attention_dropout" else "1 - 2^-16"
             raise PluginError(f"--{flag.replace('_', '-')} {p} is not a probability in "

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from ..errors import PluginError
 from .cache import (Ancestry, BeamReorder, KeyValueCache, SelfAttentionCache,
                     SourceAttentionCache)
+from .dropout import Dropout
 from .packing import NO_PACKING, Packing
 
 # Since torch 2.5, scaled_dot_product_attention returns zeros for a query whose boolean mask allows
@@ -91,7 +92,7 @@ def choose_kernel(need_weights: bool, forced: Optional[str] = None) -> str:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
-           dropout: nn.Module, kernel: str) -> Tuple[Tensor, Optional[Tensor]]:
+           dropout: Dropout, kernel: str) -> Tuple[Tensor, Optional[Tensor]]:
     """Attention(Q, K, V) with the chosen kernel: (B, h, T, d_k) and the weights (B, h, T, S) for
     the explicit kernel. ``causal``: the T queries are the last T of the S positions, and each
     sees the keys up to its own."""
@@ -106,7 +107,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool
         empty = ~mask.any(-1, keepdim=True)  # queries with no key to attend to
         mask = mask | empty
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                         dropout_p=dropout.p if dropout.training else 0.0)
+                                         dropout_p=dropout.p if dropout.active else 0.0)
     return (out if empty is None else out.masked_fill(empty, 0.0)), None
 
 
@@ -160,7 +161,7 @@ class MultiHeadedAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model)  # W^O
         # on the attention probabilities; the fused kernel takes its p and draws its own mask
         # (so not the CPU mask of dropout.py, which would apply to the written-out kernel alone)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout, type(self).__name__, cpu_mask=False)
         # FUSED or EXPLICIT forces the kernel (tests, the benchmark); weights need EXPLICIT
         self.kernel: Optional[str] = None
         self.reset_parameters()

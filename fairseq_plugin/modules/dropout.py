@@ -14,6 +14,8 @@ uses the rounded value, so expectations stay exact. On other devices (CUDA's fus
 fast) and in evaluation this is ``torch.nn.functional.dropout``.
 """
 
+from typing import List, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -56,20 +58,41 @@ class _CpuDropout(torch.autograd.Function):
 
 
 class Dropout(nn.Module):
-    """``nn.Dropout`` with the cheaper CPU mask above."""
+    """``nn.Dropout`` with the cheaper CPU mask above (``cpu_mask=False``: torch's dropout on every
+    device, as attention needs: its fused kernel draws its own mask).
 
-    def __init__(self, p: float = 0.1):
+    fairseq-generate ``--retain-dropout`` keeps it on in inference (Monte Carlo dropout), through
+    fairseq's ``make_generation_fast_`` hook; ``--retain-dropout-modules`` names the owners whose
+    dropout stays on (``module_name``: EmbeddingLayer, SublayerConnection,
+    PositionwiseFeedForward, MultiHeadedAttention), as fairseq's own modules do."""
+
+    def __init__(self, p: float = 0.1, module_name: Optional[str] = None, cpu_mask: bool = True):
         super().__init__()
-        if not is_drop_probability(p):
-            raise PluginError(f"dropout probability {p} is not in [0, 1 - 2^-16)")
+        if not (is_drop_probability(p) if cpu_mask else 0.0 <= p < 1.0):
+            bound = "1 - 2^-16" if cpu_mask else "1"
+            raise PluginError(f"dropout probability {p} is not in [0, {bound})")
         self.p = p
+        self.module_name = module_name
+        self.cpu_mask = cpu_mask
+        self.retained = False  # --retain-dropout: on in inference too
+
+    @property
+    def active(self) -> bool:
+        """Whether it drops anything now: in training, or in inference when retained."""
+        return self.p > 0.0 and (self.training or self.retained)
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.training or self.p == 0.0:
+        if not self.active:
             return x
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or not self.cpu_mask:
             return F.dropout(x, self.p, training=True)
         return _CpuDropout.apply(x, self.p)
 
+    def make_generation_fast_(self, name: str, retain_dropout: bool = False,
+                              retain_dropout_modules: Optional[List[str]] = None, **unused):
+        """fairseq's hook before inference (``prepare_for_inference_``): retain or not."""
+        self.retained = retain_dropout and (retain_dropout_modules is None
+                                            or self.module_name in retain_dropout_modules)
+
     def extra_repr(self) -> str:
-        return f"p={self.p}"
+        return f"p={self.p}" + ("" if self.cpu_mask else ", cpu_mask=False")

@@ -103,7 +103,7 @@ class EmbeddingLayer(nn.Module):
         super().__init__()
         self.embeddings = embeddings
         self.positional = positional
-        self.dropout = Dropout(dropout)
+        self.dropout = Dropout(dropout, type(self).__name__)
         self.side = side  # "source" or "target", for error messages
         # the longest sentence (--max-source/target-positions), with positional encodings or not
         self.max_positions = max_positions

@@ -27,7 +27,7 @@ class SublayerConnection(nn.Module):
     def __init__(self, d_model: int, dropout: float, normalize_before: bool):
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
-        self.dropout = Dropout(dropout)
+        self.dropout = Dropout(dropout, type(self).__name__)
         self.normalize_before = normalize_before
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
@@ -46,7 +46,7 @@ class PositionwiseFeedForward(nn.Module):
         self.w_1 = nn.Linear(d_model, d_ff)
         self.w_2 = nn.Linear(d_ff, d_model)
         self.activation = activation
-        self.dropout = Dropout(activation_dropout)
+        self.dropout = Dropout(activation_dropout, type(self).__name__)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w_2(self.dropout(self.activation(self.w_1(x))))
