@@ -8,9 +8,9 @@ refuses ("Unsupported global: argparse.Namespace"), so fairseq-generate, fairseq
 
 Rather than switching ``weights_only`` off for every ``torch.load`` in the process (or asking for
 TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1), we add the few plain-data classes a fairseq checkpoint holds
-to torch's allowlist: the Namespace, and numpy arrays of numbers (the BLEU counts that
-fairseq-train --eval-bleu keeps in its saved metrics). Loading stays restricted: no other global
-can be unpickled. torch < 2.4
+to torch's allowlist: the Namespace, and, while fairseq loads a checkpoint, numpy arrays of
+numbers (the BLEU counts that fairseq-train --eval-bleu keeps in its saved metrics). Loading
+stays restricted: no other global can be unpickled. torch < 2.4
 has no allowlist and needs none: its ``torch.load`` default (``weights_only=False`` until 2.6)
 reads a Namespace, as fairseq 0.12.2 expects.
 
@@ -19,6 +19,7 @@ file, instead of a zip-reader traceback.
 """
 
 import argparse
+import contextlib
 import errno
 import functools
 import os
@@ -32,37 +33,61 @@ from fairseq import checkpoint_utils
 
 from .errors import PluginError
 
+# torch >= 2.4 (the allowlist came in 2.4, the weights_only default in 2.6)
+HAS_ALLOWLIST = hasattr(torch.serialization, "add_safe_globals")
+# torch >= 2.5: an allowlist for the duration of a ``with`` block
+HAS_SCOPED_ALLOWLIST = hasattr(torch.serialization, "safe_globals")
+
+
+def torch_version() -> tuple:
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def numeric_numpy_array_globals() -> list:
-    """What unpickling a numpy array of numbers takes: numpy's array rebuilder, ``ndarray``,
-    ``dtype`` and the dtype class of each numeric type. fairseq-train --eval-bleu keeps its BLEU
-    n-gram counts as int64 arrays in the metrics it saves with every checkpoint. Arrays of
-    Python objects stay refused (their dtype class is not among these)."""
+    """What unpickling a numpy array of numbers takes: numpy's array rebuilder (also under
+    numpy 1's name, for checkpoints written there), ``ndarray``, ``dtype`` and the dtype class of
+    each numeric type. fairseq-train --eval-bleu keeps its BLEU n-gram counts as int64 arrays in
+    the metrics it saves with every checkpoint. numpy's pickle of an array of Python objects
+    names the object dtype's class, which is not among these; a hand-made file can still build
+    such an array, but its elements pass the same restricted unpickler."""
     numeric = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
                np.uint64, np.float16, np.float32, np.float64]
-    rebuild = np.ndarray(0).__reduce__()[0]  # numpy._core.multiarray._reconstruct (1.x: core)
-    return [rebuild, np.ndarray, np.dtype] + [type(np.dtype(t)) for t in numeric]
+    rebuild = np.ndarray(0).__reduce__()[0]  # numpy._core.multiarray._reconstruct
+    entries = [rebuild, np.ndarray, np.dtype] + [type(np.dtype(t)) for t in numeric]
+    numpy_1_name = "numpy.core.multiarray._reconstruct"
+    if f"{rebuild.__module__}.{rebuild.__name__}" != numpy_1_name and torch_version() >= (2, 6):
+        entries.append((rebuild, numpy_1_name))  # torch >= 2.6 takes (global, name)
+    return entries
 
 
-# what fairseq's trainer writes besides tensors, dicts, lists and numbers
-CHECKPOINT_SAFE_GLOBALS = [argparse.Namespace] + numeric_numpy_array_globals()
-
-
-# torch >= 2.4 (the allowlist came in 2.4, the weights_only default in 2.6)
-HAS_ALLOWLIST = hasattr(torch.serialization, "add_safe_globals")
+# what fairseq's trainer writes besides tensors, dicts, lists and numbers: the Namespace for
+# every torch.load of the process (CTranslate2's converter loads old checkpoints itself); numpy
+# arrays only while fairseq or this plugin loads a checkpoint (numeric_arrays_allowed)
+CHECKPOINT_SAFE_GLOBALS = [argparse.Namespace]
+NUMERIC_ARRAY_GLOBALS = numeric_numpy_array_globals() if HAS_ALLOWLIST else []
 
 
 def allow_fairseq_checkpoints() -> None:
-    """Allowlist the classes above for ``torch.load(weights_only=True)``."""
+    """Allowlist the Namespace for ``torch.load(weights_only=True)`` (torch 2.4, which has no
+    scoped allowlist: the numpy arrays too)."""
     if HAS_ALLOWLIST:
-        torch.serialization.add_safe_globals(CHECKPOINT_SAFE_GLOBALS)
+        torch.serialization.add_safe_globals(
+            CHECKPOINT_SAFE_GLOBALS + ([] if HAS_SCOPED_ALLOWLIST else NUMERIC_ARRAY_GLOBALS))
+
+
+def numeric_arrays_allowed():
+    """A ``with`` block in which torch's weights_only loader also rebuilds numpy arrays of
+    numbers: fairseq's checkpoint loading runs in one (and ``load_plain``)."""
+    if HAS_SCOPED_ALLOWLIST:
+        return torch.serialization.safe_globals(NUMERIC_ARRAY_GLOBALS)
+    return contextlib.nullcontext()
 
 
 def load_plain(path: str) -> dict:
     """A checkpoint's raw contents, unpickled as restrictively as this torch allows: with
     ``weights_only`` where the allowlist exists, else with torch's (and fairseq's) default."""
-    return torch.load(path, map_location="cpu", weights_only=HAS_ALLOWLIST)
+    with numeric_arrays_allowed():
+        return torch.load(path, map_location="cpu", weights_only=HAS_ALLOWLIST)
 
 
 allow_fairseq_checkpoints()
@@ -101,7 +126,8 @@ def explain_unreadable_checkpoints(load):
     @functools.wraps(load)
     def load_checkpoint_to_cpu(path, *args, **kwargs):
         try:
-            return load(path, *args, **kwargs)
+            with numeric_arrays_allowed():
+                return load(path, *args, **kwargs)
         except Exception as e:
             # torch writes zip files; a file that is not one is damaged (or not a checkpoint)
             not_a_zip = (isinstance(path, str) and os.path.isfile(path)

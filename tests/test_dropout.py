@@ -110,23 +110,30 @@ def retained(model):
 
 def two_inference_passes(model, monkeypatch):
     """The decoder's output twice for the same batch, and how often attention's fused kernel
-    was handed a dropout probability."""
+    was handed a dropout probability and the CPU mask was drawn."""
     import torch.nn.functional as F
 
     from conftest import random_tokens
+    from fairseq_plugin.modules import dropout
 
-    fused, calls = F.scaled_dot_product_attention, {"fused with dropout": 0}
+    fused, cpu_mask = F.scaled_dot_product_attention, dropout._CpuDropout.apply
+    calls = {"fused with dropout": 0, "cpu mask": 0}
 
     def counted_fused(*args, dropout_p=0.0, **kwargs):
         calls["fused with dropout"] += dropout_p > 0
         return fused(*args, dropout_p=dropout_p, **kwargs)
 
+    def counted_mask(*args):
+        calls["cpu mask"] += 1
+        return cpu_mask(*args)
+
     monkeypatch.setattr(F, "scaled_dot_product_attention", counted_fused)
+    monkeypatch.setattr(dropout._CpuDropout, "apply", counted_mask)
     d = model.decoder.dictionary
     src, tgt = random_tokens(d, 4, 7), random_tokens(d, 4, 6)
     with torch.no_grad():
         outs = [model(src, torch.full((4,), 7), tgt)[0] for _ in range(2)]
-    return outs, calls["fused with dropout"]
+    return outs, calls
 
 
 def test_retain_dropout_keeps_every_dropout_on_in_inference(monkeypatch):
@@ -136,20 +143,29 @@ def test_retain_dropout_keeps_every_dropout_on_in_inference(monkeypatch):
     assert not model.training
     assert retained(model) == {"EmbeddingLayer", "SublayerConnection", "PositionwiseFeedForward",
                                "MultiHeadedAttention"}
-    (first, second), fused_with_dropout = two_inference_passes(model, monkeypatch)
+    (first, second), calls = two_inference_passes(model, monkeypatch)
     assert not torch.allclose(first, second)
-    assert fused_with_dropout == 2 * (2 + 2 * 2)  # two passes: 2 encoder, 2 x 2 decoder attentions
+    # two passes: 2 embeddings + 2 x 2 encoder and 2 x 3 decoder sub-layers + 2 x 2 + 2 feed-forward
+    # networks draw the CPU mask; 2 encoder and 2 x 2 decoder attentions the fused kernel's
+    assert calls == {"cpu mask": 2 * (2 + 2 * 2 + 2 * 3 + 4), "fused with dropout": 2 * 6}
 
 
-def test_retain_dropout_modules_keeps_only_the_named_owners_dropout_on(monkeypatch):
-    model = prepared_for_inference(retain_dropout=True, modules=["MultiHeadedAttention"])
-    assert retained(model) == {"MultiHeadedAttention"}
-    (first, second), fused_with_dropout = two_inference_passes(model, monkeypatch)
-    assert not torch.allclose(first, second) and fused_with_dropout == 12
+# --retain-dropout-modules from the command line is one string (fairseq does not parse it)
+@pytest.mark.parametrize("modules, owner, calls", [
+    (["MultiHeadedAttention"], "MultiHeadedAttention", {"cpu mask": 0, "fused with dropout": 12}),
+    ("MultiHeadedAttention", "MultiHeadedAttention", {"cpu mask": 0, "fused with dropout": 12}),
+    ('["SublayerConnection"]', "SublayerConnection", {"cpu mask": 20, "fused with dropout": 0}),
+], ids=["list", "string", "list as a string"])
+def test_retain_dropout_modules_keeps_only_the_named_owners_dropout_on(modules, owner, calls,
+                                                                      monkeypatch):
+    model = prepared_for_inference(retain_dropout=True, modules=modules)
+    assert retained(model) == {owner}
+    (first, second), counted = two_inference_passes(model, monkeypatch)
+    assert not torch.allclose(first, second) and counted == calls
 
 
 def test_without_retain_dropout_inference_drops_nothing(monkeypatch):
     model = prepared_for_inference(retain_dropout=False)
     assert retained(model) == set()
-    (first, second), fused_with_dropout = two_inference_passes(model, monkeypatch)
-    assert torch.equal(first, second) and fused_with_dropout == 0
+    (first, second), calls = two_inference_passes(model, monkeypatch)
+    assert torch.equal(first, second) and calls == {"cpu mask": 0, "fused with dropout": 0}

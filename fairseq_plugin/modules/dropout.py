@@ -68,9 +68,10 @@ class Dropout(nn.Module):
 
     def __init__(self, p: float = 0.1, module_name: Optional[str] = None, cpu_mask: bool = True):
         super().__init__()
-        if not (is_drop_probability(p) if cpu_mask else 0.0 <= p < 1.0):
-            bound = "1 - 2^-16" if cpu_mask else "1"
-            raise PluginError(f"dropout probability {p} is not in [0, {bound})")
+        if cpu_mask and not is_drop_probability(p):
+            raise PluginError(f"dropout probability {p} is not in [0, 1 - 2^-16)")
+        if not cpu_mask and not 0.0 <= p < 1.0:
+            raise PluginError(f"dropout probability {p} is not in [0, 1)")
         self.p = p
         self.module_name = module_name
         self.cpu_mask = cpu_mask
@@ -90,9 +91,12 @@ class Dropout(nn.Module):
 
     def make_generation_fast_(self, name: str, retain_dropout: bool = False,
                               retain_dropout_modules: Optional[List[str]] = None, **unused):
-        """fairseq's hook before inference (``prepare_for_inference_``): retain or not."""
-        self.retained = retain_dropout and (retain_dropout_modules is None
-                                            or self.module_name in retain_dropout_modules)
+        """fairseq's hook before inference (``prepare_for_inference_``): retain or not. From the
+        command line the module names arrive as one string, matched as fairseq matches them
+        (``in``: a name within it)."""
+        self.retained = retain_dropout and (
+            retain_dropout_modules is None
+            or (self.module_name is not None and self.module_name in retain_dropout_modules))
 
     def extra_repr(self) -> str:
         return f"p={self.p}" + ("" if self.cpu_mask else ", cpu_mask=False")
