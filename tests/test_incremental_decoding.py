@@ -717,3 +717,28 @@ def test_several_new_steps_after_cached_ones_see_each_other_causally(kernel):
             x, _ = layer(x, encoder_out["encoder_out"][0], None, None, state)
         out = model.decoder.output_layer(model.decoder.norm(x))
     assert (out - full[:, 2:]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("beam_size_told", [True, False])
+def test_a_step_after_every_sentence_finished_returns_an_empty_batch(beam_size_told):
+    """A reorder may drop every row (all sentences finished); fairseq's SequenceGenerator stops
+    there, but the decoder, its caches and the encoder output accept the empty batch."""
+    d = make_dictionary()
+    model = build_tiny_model(d)
+    bsz, beam = 2, 3
+    if beam_size_told:
+        model.set_beam_size(beam)
+    src, lengths = padded_sources(d, [5, 3], left_pad=True)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, lengths)
+        expand = torch.arange(bsz).repeat_interleave(beam)
+        encoder_out = model.encoder.reorder_encoder_out(encoder_out, expand)
+        state = {}
+        tokens = torch.full((bsz * beam, 1), d.eos())
+        model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)
+        empty = torch.zeros(0, dtype=torch.long)
+        model.decoder.reorder_incremental_state_scripting(state, empty)
+        encoder_out = model.encoder.reorder_encoder_out(encoder_out, empty)
+        tokens = torch.cat([tokens, random_tokens(d, bsz * beam, 1)], 1).index_select(0, empty)
+        logits = model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)[0]
+    assert logits.shape == (0, 1, len(d))

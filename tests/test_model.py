@@ -105,6 +105,25 @@ def test_heads_not_dividing_d_model_is_a_clear_error():
         build_tiny_model(decoder_attention_heads=3)
 
 
+def test_a_decoder_without_layers_or_a_negative_layer_count_is_a_clear_error():
+    with pytest.raises(PluginError, match="--decoder-layers 0: the decoder needs at least one "
+                                          "layer; use e.g. 6"):
+        build_tiny_model(decoder_layers=0)
+    with pytest.raises(PluginError, match="--encoder-layers -1 is not a number of layers"):
+        build_tiny_model(encoder_layers=-1)
+    d = make_dictionary()
+    model = build_tiny_model(d, encoder_layers=0)  # embeddings and the final LayerNorm: decodes
+    src = random_tokens(d, 2, 5)
+    tgt = torch.cat([torch.full((2, 1), d.eos()), random_tokens(d, 2, 3)], 1)
+    with torch.no_grad():
+        encoder_out = model.encoder(src)
+        full = model.decoder(tgt, encoder_out=encoder_out)[0]
+        state = {}
+        steps = [model.decoder(tgt[:, :t], encoder_out=encoder_out, incremental_state=state)[0]
+                 for t in range(1, 5)]
+    assert (torch.cat(steps, 1) - full).abs().max() <= 1e-4
+
+
 def test_a_misspelled_model_option_is_refused_with_the_closest_name():
     from omegaconf import OmegaConf
     from fairseq_plugin.models.annotated_transformer import AnnotatedTransformerModel

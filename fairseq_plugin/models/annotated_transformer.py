@@ -465,6 +465,12 @@ def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor],
 def _check_flags(args):
     """One line for flags this model cannot be built with."""
     for side in ("encoder", "decoder"):
+        n = getattr(args, f"{side}_layers")
+        if n < 0:
+            raise PluginError(f"--{side}-layers {n} is not a number of layers; use e.g. 6")
+    if args.decoder_layers == 0:  # (decoding steps start the caches at layer 0)
+        raise PluginError("--decoder-layers 0: the decoder needs at least one layer; use e.g. 6")
+    for side in ("encoder", "decoder"):
         check_heads_divide(getattr(args, f"{side}_embed_dim"),
                            getattr(args, f"{side}_attention_heads"), side)
     for flag in ("dropout", "activation_dropout", "attention_dropout"):

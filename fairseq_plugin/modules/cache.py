@@ -9,11 +9,12 @@ instead of recomputing them from the whole prefix. Two caches share one interfac
 - ``SourceAttentionCache`` (encoder-decoder attention): the encoder output's keys and values,
   projected once at the first step.
 
-The interface (``KeyValueCache``): ``is_empty`` and ``distinct_rows`` (which new keys and values it
-needs), ``append`` them, ``keys_values`` to attend to, ``reorder`` to follow beam search,
-``own_keys_values`` for each hypothesis's own keys and values, and ``ungroup``. Attention asks
-its cache for keys and values the same way whichever kind it has (its own kind decides only which
-projections it runs).
+The interface (``KeyValueCache``): ``append`` new keys and values, ``keys_values`` to attend to,
+``reorder`` to follow beam search, ``own_keys_values`` for each hypothesis's own keys and values,
+and ``ungroup``. Attention appends and reads the same way whichever kind it has; its own kind
+decides which projections it runs: self-attention projects the new token's keys and values at
+every step, encoder-decoder attention only while its cache ``is_empty`` (the first step), and
+only for the ``distinct_rows`` of the encoder output (one per sentence when grouped).
 
 Beam search keeps g hypotheses per sentence (g = the beam size that fairseq's SequenceGenerator
 hands the model through ``set_beam_size``) in g consecutive rows, and after every step reorders
@@ -155,7 +156,7 @@ class Ancestry:
             grown = self.mask.new_full((B, aligned(2 * (t + 1) * g)), float("-inf"))
             grown[:, :t * g] = self.mask[:, :t * g]
             self.mask = grown
-        step = self.mask.view(B // g, g, -1)[:, :, t * g:(t + 1) * g]  # (B / g, g, g)
+        step = self.mask.view(B // g, g, self.mask.size(1))[:, :, t * g:(t + 1) * g]  # (B/g, g, g)
         step.diagonal(dim1=1, dim2=2).fill_(0.0)
         self.steps = t + 1
 
@@ -197,16 +198,9 @@ class KeyValueCache:
 
     group: int = 1
 
-    def is_empty(self) -> bool:
-        raise NotImplementedError
-
-    def distinct_rows(self, x: Tensor) -> Tensor:
-        """The rows of a (B, ...) input whose keys and values this cache stores."""
-        raise NotImplementedError
-
     def append(self, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> None:
-        """Keep keys and values (distinct rows, h, L, d_k), made from ``distinct_rows`` of the
-        input, and the mask (B, 1, 1, L) of which keys may be attended to (None: all)."""
+        """Keep keys and values (rows, h, L, d_k), one row per row the cache stores, and the
+        mask (B, 1, 1, L) of which keys may be attended to (None: all)."""
         raise NotImplementedError
 
     def keys_values(self) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
@@ -238,10 +232,13 @@ class SourceAttentionCache(KeyValueCache):
         self.mask: Optional[Tensor] = None
 
     def is_empty(self) -> bool:
+        """Whether the source's keys and values are still to be projected (the first step)."""
         return self.k is None
 
     def distinct_rows(self, x: Tensor) -> Tensor:
-        return x[:: self.group]  # the g rows of a group hold copies of one sentence
+        """The rows of a (B, ...) input whose keys and values this cache stores: one per group
+        (the g rows of a group hold copies of one sentence)."""
+        return x[:: self.group]
 
     def append(self, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> None:
         # contiguous once here, or every step's matrix product copies the permuted heads
@@ -286,8 +283,8 @@ class SourceAttentionCache(KeyValueCache):
 
 
 class SelfAttentionCache(KeyValueCache):
-    """The keys and values (B, h, t, d_k) of the steps decoded so far (beam search appends one
-    step per call; a call may append several).
+    """The keys and values (B, h, t, d_k) of the steps decoded so far (the decoder appends one
+    step per call; a direct caller of MultiHeadedAttention may append several at once).
 
     With g > 1 (grouped) the storage is (B / g, h, C * g, d_k), read under the beam's ancestry
     (shared with the other layers); with g = 1 it is (B, h, C, d_k), and a pending reorder is
@@ -304,12 +301,6 @@ class SelfAttentionCache(KeyValueCache):
         self.ancestry = ancestry if group > 1 else None  # g > 1
         self.order: Optional[Tensor] = None  # g = 1: the reorder still to apply
         self.spare: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None)  # g = 1
-
-    def is_empty(self) -> bool:
-        return self.length == 0
-
-    def distinct_rows(self, x: Tensor) -> Tensor:
-        return x  # every hypothesis has its own new key
 
     def append(self, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> None:
         """k, v (B, h, T, d_k), one row per hypothesis in the current order (grouped: the step

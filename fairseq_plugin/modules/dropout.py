@@ -11,7 +11,9 @@ one 63-bit random integer gives four 15-bit uniform numbers, so a mask costs a q
 draws, and the mask is kept as booleans (a quarter of the memory).
 The drop probability is rounded to a multiple of 2^-15 (p = 0.1 becomes 0.100006) and the scale
 uses the rounded value, so expectations stay exact. On other devices (CUDA's fused kernel is
-fast) and in evaluation this is ``torch.nn.functional.dropout``.
+fast), and where the owner asks for torch's mask (attention's ``cpu_mask=False``), this is
+``torch.nn.functional.dropout``. In evaluation it does nothing, unless fairseq's
+``--retain-dropout`` keeps it on.
 """
 
 from typing import List, Optional
