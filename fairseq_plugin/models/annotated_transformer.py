@@ -47,38 +47,17 @@ from ..modules.packing import packing_for
 DEFAULT_MAX_POSITIONS = 1024
 
 
-def _positional(args, d_model: int, max_positions: int, learned: bool) -> Optional[nn.Module]:
-    if args.no_token_positional_embeddings:
-        return None
-    if learned:
-        return LearnedPositionalEncoding(d_model, max_positions)
-    return SinusoidalPositionalEncoding(d_model, max_positions)
-
-
-def _feed_forward(args, d_model: int, d_ff: int) -> PositionwiseFeedForward:
-    return PositionwiseFeedForward(
-        d_model, d_ff, utils.get_activation_fn(args.activation_fn), args.activation_dropout)
-
-
 class AnnotatedTransformerEncoder(FairseqEncoder):
-    """"The encoder is composed of a stack of N identical layers." (section 3.1)"""
+    """"The encoder is composed of a stack of N identical layers." (section 3.1) Built by
+    ``AnnotatedTransformerModel.make_model``."""
 
-    def __init__(self, args, dictionary, embeddings: Embeddings):
+    def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[EncoderLayer],
+                 norm: Optional[nn.LayerNorm]):
         super().__init__(dictionary)
-        d = args.encoder_embed_dim
         self.padding_idx = dictionary.pad()
-        self.embed = EmbeddingLayer(
-            embeddings, _positional(args, d, args.max_source_positions, args.encoder_learned_pos),
-            args.dropout, side="source", max_positions=args.max_source_positions)
-        self.layers = nn.ModuleList([
-            EncoderLayer(
-                d,
-                MultiHeadedAttention(args.encoder_attention_heads, d, args.attention_dropout,
-                                     self_attention=True),
-                _feed_forward(args, d, args.encoder_ffn_embed_dim),
-                args.dropout, normalize_before=not args.post_norm)
-            for _ in range(args.encoder_layers)])
-        self.norm = None if args.post_norm else nn.LayerNorm(d)  # pre-LN's final LayerNorm
+        self.embed = embed  # the notebook's src_embed: Embeddings and PositionalEncoding
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm  # pre-LN's final LayerNorm (None with --post-norm)
         self.skip_padding = True  # in training, position-wise work on real tokens only (packing.py)
         self.beam_size = 1  # set by fairseq's SequenceGenerator, through the model
 
@@ -159,32 +138,22 @@ def average_heads(attn: Optional[Tensor], heads: Optional[int]) -> Optional[Tens
 
 
 class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
-    """"The decoder is also composed of a stack of N identical layers." (section 3.1)
+    """"The decoder is also composed of a stack of N identical layers." (section 3.1) Built by
+    ``AnnotatedTransformerModel.make_model``.
 
     With fairseq's ``incremental_state`` it decodes one token per call, reusing the keys and
     values its attention modules cache (modules/cache.py), as beam search does; without it, it
     runs teacher-forced over the whole prefix.
     """
 
-    def __init__(self, args, dictionary, embeddings: Embeddings, output_weight=None):
+    def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[DecoderLayer],
+                 norm: Optional[nn.LayerNorm], generator: Generator):
         super().__init__(dictionary)
-        d = args.decoder_embed_dim
         self.padding_idx = dictionary.pad()
-        self.embed = EmbeddingLayer(
-            embeddings, _positional(args, d, args.max_target_positions, args.decoder_learned_pos),
-            args.dropout, side="target", max_positions=args.max_target_positions)
-        self.layers = nn.ModuleList([
-            DecoderLayer(
-                d,
-                MultiHeadedAttention(args.decoder_attention_heads, d, args.attention_dropout,
-                                     self_attention=True),
-                MultiHeadedAttention(args.decoder_attention_heads, d, args.attention_dropout,
-                                     self_attention=False, memory_dim=args.encoder_embed_dim),
-                _feed_forward(args, d, args.decoder_ffn_embed_dim),
-                args.dropout, normalize_before=not args.post_norm)
-            for _ in range(args.decoder_layers)])
-        self.norm = None if args.post_norm else nn.LayerNorm(d)  # pre-LN's final LayerNorm
-        self.generator = Generator(d, len(dictionary), output_weight)
+        self.embed = embed  # the notebook's tgt_embed: Embeddings and PositionalEncoding
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm  # pre-LN's final LayerNorm (None with --post-norm)
+        self.generator = generator
         self.skip_padding = True  # in training, position-wise work on real tokens only (packing.py)
         # return the source attention outside training (fairseq-generate turns it off unless
         # --print-alignment, through make_generation_fast_; --eval-bleu's validation keeps it)
@@ -392,22 +361,45 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
 
     @classmethod
     def build_model(cls, cfg, task):
-        """The notebook's make_model: embeddings, the encoder and decoder stacks (built in their
-        __init__), the generator, then Glorot initialisation."""
+        """fairseq builds the model here: the options, checked, then make_model."""
         args = cls.options(cfg)
         _check_flags(args)
-        src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+        if args.share_all_embeddings:
+            _check_shared_embeddings(args, task.source_dictionary, task.target_dictionary)
+        return cls.make_model(args, task.source_dictionary, task.target_dictionary)
+
+    @classmethod
+    def make_model(cls, args: Namespace, src_dict, tgt_dict) -> "AnnotatedTransformerModel":
+        """The notebook's make_model, from fairseq's options: the token embeddings (one module
+        when shared), the encoder's and the decoder's N layers, the generator, then Glorot
+        initialisation."""
         scale = not args.no_scale_embedding
         src_tokens = Embeddings(args.encoder_embed_dim, len(src_dict), src_dict.pad(), scale)
-        if args.share_all_embeddings:
-            _check_shared_embeddings(args, src_dict, tgt_dict)
-            tgt_tokens = src_tokens
-            args.share_decoder_input_output_embed = True
-        else:
-            tgt_tokens = Embeddings(args.decoder_embed_dim, len(tgt_dict), tgt_dict.pad(), scale)
-        output_weight = tgt_tokens.lut.weight if args.share_decoder_input_output_embed else None
-        encoder = AnnotatedTransformerEncoder(args, src_dict, src_tokens)
-        decoder = AnnotatedTransformerDecoder(args, tgt_dict, tgt_tokens, output_weight)
+        tgt_tokens = src_tokens if args.share_all_embeddings else Embeddings(
+            args.decoder_embed_dim, len(tgt_dict), tgt_dict.pad(), scale)
+        share_output = args.share_all_embeddings or args.share_decoder_input_output_embed
+        pre_ln, dropout, p_attn = not args.post_norm, args.dropout, args.attention_dropout
+        d, h = args.encoder_embed_dim, args.encoder_attention_heads
+        encoder = AnnotatedTransformerEncoder(
+            src_dict,
+            embed=_embedding_layer(args, src_tokens, "source"),
+            layers=[EncoderLayer(d, MultiHeadedAttention(h, d, p_attn),
+                                 _feed_forward(args, d, args.encoder_ffn_embed_dim),
+                                 dropout, normalize_before=pre_ln)
+                    for _ in range(args.encoder_layers)],
+            norm=nn.LayerNorm(d) if pre_ln else None)  # pre-LN's final LayerNorm
+        d, h = args.decoder_embed_dim, args.decoder_attention_heads
+        decoder = AnnotatedTransformerDecoder(
+            tgt_dict,
+            embed=_embedding_layer(args, tgt_tokens, "target"),
+            layers=[DecoderLayer(d, MultiHeadedAttention(h, d, p_attn),
+                                 MultiHeadedAttention(h, d, p_attn, self_attention=False,
+                                                      memory_dim=args.encoder_embed_dim),
+                                 _feed_forward(args, d, args.decoder_ffn_embed_dim),
+                                 dropout, normalize_before=pre_ln)
+                    for _ in range(args.decoder_layers)],
+            norm=nn.LayerNorm(d) if pre_ln else None,
+            generator=Generator(d, len(tgt_dict), tgt_tokens.lut.weight if share_output else None))
         model = cls(encoder, decoder)
         model.init_parameters_()
         return model
@@ -424,9 +416,9 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         self.encoder.beam_size = beam_size
 
     def init_parameters_(self):
-        """The notebook's make_model: Glorot / fan_avg uniform for every matrix. Attention modules
-        initialise their own W^Q, W^K, W^V, W^O (each matrix on its own, also where they are
-        stored side by side). Padding embeddings stay zero."""
+        """make_model's last step, as the notebook's: Glorot / fan_avg uniform for every matrix.
+        Attention modules initialise their own W^Q, W^K, W^V, W^O (each matrix on its own, also
+        where they are stored side by side). Padding embeddings stay zero."""
         attention = {id(p) for m in self.modules() if isinstance(m, MultiHeadedAttention)
                      for p in m.parameters()}
         for p in self.parameters():
@@ -436,6 +428,24 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
             if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                 with torch.no_grad():
                     module.weight[module.padding_idx].zero_()
+
+
+def _embedding_layer(args, tokens: Embeddings, side: str) -> EmbeddingLayer:
+    """The notebook's src_embed / tgt_embed: token embeddings, positional encodings (sinusoidal,
+    learned or none), dropout on their sum."""
+    stack = "encoder" if side == "source" else "decoder"
+    max_positions = getattr(args, f"max_{side}_positions")
+    positional = None
+    if not args.no_token_positional_embeddings:
+        learned = getattr(args, f"{stack}_learned_pos")
+        encoding = LearnedPositionalEncoding if learned else SinusoidalPositionalEncoding
+        positional = encoding(getattr(args, f"{stack}_embed_dim"), max_positions)
+    return EmbeddingLayer(tokens, positional, args.dropout, side=side, max_positions=max_positions)
+
+
+def _feed_forward(args, d_model: int, d_ff: int) -> PositionwiseFeedForward:
+    return PositionwiseFeedForward(
+        d_model, d_ff, utils.get_activation_fn(args.activation_fn), args.activation_dropout)
 
 
 def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor],
