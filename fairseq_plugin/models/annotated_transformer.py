@@ -5,20 +5,19 @@ the encoder maps an input sequence of symbol representations (x_1, ..., x_n) to 
 continuous representations z = (z_1, ..., z_n). Given z, the decoder then generates an output
 sequence (y_1, ..., y_m) of symbols one element at a time." (Vaswani et al. 2017, section 3)
 
-Tensors are batch-first: B batch, S source length, T target length, d d_model. Where each of the
-notebook's pieces lives (EncoderDecoder, make_model, Generator, ...): the README's table "Where each
-idea of the Annotated Transformer lives".
+Tensors are batch-first: B batch, S source length, T target length, d d_model. The options and
+their checks are in config.py. Where each of the notebook's pieces lives (EncoderDecoder,
+make_model, Generator, ...): the README's table "Where each idea of the Annotated Transformer
+lives".
 """
 
 import argparse
-import enum
 from argparse import Namespace
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import field, fields, make_dataclass
 from typing import Dict, List, Optional
 
 import torch
 from fairseq import utils
-from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import (
     ARCH_MODEL_REGISTRY,
@@ -27,13 +26,11 @@ from fairseq.models import (
     FairseqIncrementalDecoder,
     register_model,
 )
-from omegaconf import OmegaConf
 from torch import Tensor, nn
 
-from ..errors import PluginError, spelling_hint
-from ..modules.attention import IncrementalState, MultiHeadedAttention, check_heads_divide
+from ..errors import PluginError
+from ..modules.attention import IncrementalState, MultiHeadedAttention
 from ..modules.cache import Ancestry, BeamReorder, repeats_rows
-from ..modules.dropout import is_drop_probability
 from ..modules.embeddings import (
     EmbeddingLayer,
     Embeddings,
@@ -43,9 +40,7 @@ from ..modules.embeddings import (
 )
 from ..modules.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 from ..modules.packing import packing_for
-
-DEFAULT_MAX_POSITIONS = 1024
-
+from .config import AnnotatedTransformerConfig, check_options, resolve_options
 
 class AnnotatedTransformerEncoder(FairseqEncoder):
     """"The encoder is composed of a stack of N identical layers." (section 3.1) Built by
@@ -274,58 +269,6 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
             self.set_incremental_state(incremental_state, "ancestry", None)  # no groups any more
 
 
-def _option(default, help):
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass
-class AnnotatedTransformerConfig(FairseqDataclass):
-    """The model's options (``model.*`` in a fairseq-hydra-train YAML, ``--*`` on the command
-    line): fairseq ``transformer``'s names and meanings; the defaults are the paper's base model,
-    with fairseq's 0.0 for attention_dropout and activation_dropout (the notebook's make_model
-    uses its dropout, 0.1, there too: --attention-dropout 0.1 --activation-dropout 0.1)."""
-
-    activation_fn: ChoiceEnum(utils.get_available_activation_fns()) = _option(
-        "relu", "activation function of the position-wise feed-forward network")
-    dropout: float = _option(0.1, "dropout probability (the paper's P_drop)")
-    attention_dropout: float = _option(0.0, "dropout probability on attention weights")
-    activation_dropout: float = _option(
-        0.0, "dropout probability after the activation in the feed-forward network "
-             "(--relu-dropout on the command line too)")
-    encoder_embed_dim: int = _option(512, "encoder d_model")
-    encoder_ffn_embed_dim: int = _option(2048, "encoder d_ff")
-    encoder_layers: int = _option(6, "number of encoder layers (N)")
-    encoder_attention_heads: int = _option(8, "encoder attention heads (h)")
-    encoder_normalize_before: bool = _option(
-        False, "pre-LN in the encoder (already the default here; accepted for fairseq "
-               "compatibility; conflicts with post_norm)")
-    encoder_learned_pos: bool = _option(False, "learned instead of sinusoidal positions in the "
-                                               "encoder")
-    decoder_embed_dim: Optional[int] = _option(None, "decoder d_model (default: encoder_embed_dim)")
-    decoder_ffn_embed_dim: Optional[int] = _option(None, "decoder d_ff (default: "
-                                                         "encoder_ffn_embed_dim)")
-    decoder_layers: int = _option(6, "number of decoder layers (N)")
-    decoder_attention_heads: int = _option(8, "decoder attention heads (h)")
-    decoder_normalize_before: bool = _option(
-        False, "pre-LN in the decoder (already the default here; accepted for fairseq "
-               "compatibility; conflicts with post_norm)")
-    decoder_learned_pos: bool = _option(False, "learned instead of sinusoidal positions in the "
-                                               "decoder")
-    post_norm: bool = _option(
-        False, "the paper's post-LN sub-layers, LayerNorm(x + Sublayer(x)), in both stacks "
-               "(default: the Annotated Transformer's pre-LN, x + Sublayer(LayerNorm(x)), with a "
-               "final LayerNorm)")
-    share_decoder_input_output_embed: bool = _option(
-        False, "share the decoder input embeddings with the generator (output projection)")
-    share_all_embeddings: bool = _option(
-        False, "share source, target and output embeddings (needs a joined dictionary: "
-               "fairseq-preprocess --joined-dictionary)")
-    no_token_positional_embeddings: bool = _option(False, "add no positional encodings")
-    no_scale_embedding: bool = _option(False, "do not multiply embeddings by sqrt(d_model)")
-    max_source_positions: int = _option(DEFAULT_MAX_POSITIONS, "longest source, in tokens")
-    max_target_positions: int = _option(DEFAULT_MAX_POSITIONS, "longest target, in tokens")
-
-
 @register_model("annotated_transformer", dataclass=AnnotatedTransformerConfig)
 class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
     """The Annotated Transformer (harvardnlp) inside fairseq.
@@ -345,27 +288,13 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
     def options(cls, cfg) -> Namespace:
         """Every option of the model ``cfg`` describes (a YAML/command-line DictConfig, a config
         dataclass or an argparse Namespace): its values, this preset's defaults for the rest."""
-        config = getattr(cls, "__dataclass")
-        _check_known_options(cfg, config)
-        args = Namespace()
-        for f in fields(config):
-            value = getattr(cfg, f.name, None)
-            value = f.default if value is None else value
-            # choices as plain strings: the configuration is saved in checkpoints
-            setattr(args, f.name, value.value if isinstance(value, enum.Enum) else value)
-        if args.decoder_embed_dim is None:
-            args.decoder_embed_dim = args.encoder_embed_dim
-        if args.decoder_ffn_embed_dim is None:
-            args.decoder_ffn_embed_dim = args.encoder_ffn_embed_dim
-        return args
+        return resolve_options(getattr(cls, "__dataclass"), cfg)
 
     @classmethod
     def build_model(cls, cfg, task):
         """fairseq builds the model here: the options, checked, then make_model."""
         args = cls.options(cfg)
-        _check_flags(args)
-        if args.share_all_embeddings:
-            _check_shared_embeddings(args, task.source_dictionary, task.target_dictionary)
+        check_options(args, task.source_dictionary, task.target_dictionary)
         return cls.make_model(args, task.source_dictionary, task.target_dictionary)
 
     @classmethod
@@ -470,54 +399,6 @@ def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor],
             raise PluginError(
                 f"the checkpoint's {k} has shape {tuple(loaded[k].shape)} but this model's has "
                 f"{tuple(v.shape)}; it was trained with other sizes: load it with those flags")
-
-
-def _check_flags(args):
-    """One line for flags this model cannot be built with."""
-    for side in ("encoder", "decoder"):
-        n = getattr(args, f"{side}_layers")
-        if n < 0:
-            raise PluginError(f"--{side}-layers {n} is not a number of layers; use e.g. 6")
-    if args.decoder_layers == 0:  # (decoding steps start the caches at layer 0)
-        raise PluginError("--decoder-layers 0: the decoder needs at least one layer; use e.g. 6")
-    for side in ("encoder", "decoder"):
-        check_heads_divide(getattr(args, f"{side}_embed_dim"),
-                           getattr(args, f"{side}_attention_heads"), side)
-    for flag in ("dropout", "activation_dropout", "attention_dropout"):
-        p = getattr(args, flag)
-        # attention's dropout is torch's (F.dropout or the fused kernel), not our CPU mask
-        if not (0.0 <= p < 1.0 if flag == "attention_dropout" else is_drop_probability(p)):
-            bound = "1" if flag == "attention_dropout" else "1 - 2^-16"
-            raise PluginError(f"--{flag.replace('_', '-')} {p} is not a probability in "
-                              f"[0, {bound}); use e.g. 0.1")
-    if args.post_norm and (args.encoder_normalize_before or args.decoder_normalize_before):
-        raise PluginError(
-            "--post-norm conflicts with --encoder-normalize-before/--decoder-normalize-before; "
-            "use --post-norm for the paper's post-LN or drop it for pre-LN")
-
-
-def _check_shared_embeddings(args, src_dict, tgt_dict):
-    if src_dict != tgt_dict:
-        raise PluginError(
-            "--share-all-embeddings needs a joined dictionary, but the source and target "
-            "dictionaries differ; preprocess with fairseq-preprocess --joined-dictionary "
-            "or drop --share-all-embeddings")
-    if args.encoder_embed_dim != args.decoder_embed_dim:
-        raise PluginError(
-            f"--share-all-embeddings needs --encoder-embed-dim ({args.encoder_embed_dim}) "
-            f"equal to --decoder-embed-dim ({args.decoder_embed_dim})")
-
-
-def _check_known_options(cfg, config):
-    """A model configuration written by hand (a YAML recipe) may only hold the model's options."""
-    if not OmegaConf.is_config(cfg):
-        return  # argparse Namespaces carry every training option; argparse checks those
-    known = {f.name for f in fields(config)}
-    unknown = sorted(k for k in cfg.keys() if k not in known)
-    if unknown:
-        hint = spelling_hint(unknown[0], known, "the README's Flags section")
-        raise PluginError(f"unknown model option '{unknown[0]}' (model.{unknown[0]}), not a "
-                          f"field of {config.__name__}; {hint}")
 
 
 def resolved_model_config(model_cfg) -> Optional[Namespace]:
