@@ -182,6 +182,23 @@ def test_score_reference_gives_beam_search_its_scores_where_the_hypothesis_is_th
         assert abs(referenced[i][0] - searched[i][0]) <= 1e-4, (i, referenced[i], searched[i])
 
 
+def test_generate_model_overrides_reach_the_model(reverse_run, generated):
+    """fairseq-generate --model-overrides changes a saved model's options when it loads: here
+    its longest source, so that sentences beyond it are skipped and the others translate as
+    before (sinusoidal encodings are computed, not saved: the checkpoint loads at any length)."""
+    out = cli(*reverse_task.generate_command(str(reverse_run["data_bin"]),
+                                             str(reverse_run["checkpoint"])),
+              "--model-overrides", "{'max_source_positions': 8}",
+              "--skip-invalid-size-inputs-valid-test")
+    path = reverse_run["dir"] / "generate-overridden.txt"
+    path.write_text(out.stdout)
+    overridden = reverse_task.read_generate_output(str(path))
+    short = {i for i, (src, _, _) in generated.items() if len(src.split()) + 1 <= 8}  # + </s>
+    assert 0 < len(short) < len(generated)
+    assert set(overridden) == short
+    assert all(overridden[i] == generated[i] for i in short)
+
+
 def test_generate_with_retain_dropout_decodes_with_dropout_on(reverse_run):
     """fairseq-generate --retain-dropout (Monte Carlo dropout) reaches the model: beam search's
     scores then change with --seed; without the flag they do not (which dropout stays on:

@@ -159,6 +159,22 @@ def test_a_checkpoint_with_parameters_this_model_lacks_is_refused_in_one_line():
                        learned["encoder.layers.0.self_attn.qkv_proj.weight"])
 
 
+def test_a_longer_position_limit_loads_sinusoidal_checkpoints_and_refuses_learned_ones():
+    """What --model-overrides "{'max_source_positions': N}" meets when the model loads."""
+    d = make_dictionary()
+    for learned in (False, True):
+        trained = build_tiny_model(d, encoder_learned_pos=learned, max_source_positions=16)
+        longer = build_tiny_model(d, encoder_learned_pos=learned, max_source_positions=32)
+        if not learned:
+            longer.load_state_dict(trained.state_dict())
+            assert longer.encoder.max_positions() == 32
+            continue
+        with pytest.raises(PluginError, match=r"the checkpoint's encoder.embed.positional.embed."
+                                              r"weight has shape \(16, 64\) but this model's has "
+                                              r"\(32, 64\); it was trained with other sizes"):
+            longer.load_state_dict(trained.state_dict())
+
+
 # 0.99999 rounds to 1 in the CPU dropout mask of dropout and activation_dropout; attention's
 # dropout is torch's (test below)
 @pytest.mark.parametrize("flag, p", [
