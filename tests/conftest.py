@@ -41,6 +41,17 @@ def build_tiny_model(dictionary=None, tgt_dictionary=None, **overrides):
     return model.eval()
 
 
+def sharpen(model):
+    """Sharper output distributions than random initialisation, so that beam search's hypotheses
+    differ clearly, and end-of-sentence likely enough that they end at different steps (so
+    sentences finish and leave the batch, as in real decoding)."""
+    with torch.no_grad():
+        weight = model.decoder.generator.proj.weight
+        weight.mul_(4.0)
+        weight[model.decoder.dictionary.eos()].mul_(-2.0)
+    return model
+
+
 def torch_version():
     """(major, minor) of the installed torch."""
     return tuple(int(p) for p in torch.__version__.split(".")[:2])

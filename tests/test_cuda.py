@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import (REVERSE_SEED, build_tiny_model, cli, make_dictionary, random_tokens,
-                      reverse_data_bin)
+                      reverse_data_bin, sharpen)
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.modules import dropout
 from fairseq_plugin.modules.attention import EXPLICIT, FUSED, MultiHeadedAttention
@@ -67,9 +67,7 @@ def test_incremental_decoding_equals_a_full_pass_on_cuda(dtype):
 
 def test_beam_search_is_the_same_with_and_without_the_cache_on_cuda():
     d = make_dictionary(40)
-    model = build_tiny_model(d).to(DEVICE)
-    with torch.no_grad():
-        model.decoder.generator.proj.weight.mul_(4.0)
+    model = sharpen(build_tiny_model(d)).to(DEVICE)
     src = random_tokens(d, 5, 8).to(DEVICE)
     src[:, -1] = d.eos()
     sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((5,), 8).to(DEVICE)}}

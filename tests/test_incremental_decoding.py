@@ -7,7 +7,7 @@ import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
-from conftest import build_tiny_model, make_dictionary, random_tokens
+from conftest import build_tiny_model, make_dictionary, random_tokens, sharpen
 from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, MultiHeadedAttention,
                                               explicit_attention)
 from fairseq_plugin.modules.cache import (Ancestry, BeamReorder, SelfAttentionCache,
@@ -33,6 +33,28 @@ def padded_sources(d, lengths, left_pad):
 def prefixes(d, batch, length):
     """Target prefixes as beam search builds them: eos first, then real tokens."""
     return torch.cat([torch.full((batch, 1), d.eos()), random_tokens(d, batch, length - 1)], 1)
+
+
+@contextlib.contextmanager
+def recording_beam_rows(model):
+    """While inside, the number of hypotheses of each of beam search's reorders: fewer once a
+    sentence has finished."""
+    decoder, rows = model.decoder, []
+    reorder = decoder.reorder_incremental_state_scripting
+    wrapped = decoder.__dict__.get("reorder_incremental_state_scripting")  # by another recorder
+
+    def recording(state, new_order):
+        rows.append(new_order.numel())
+        return reorder(state, new_order)
+
+    decoder.reorder_incremental_state_scripting = recording
+    try:
+        yield rows
+    finally:
+        if wrapped is None:
+            del decoder.reorder_incremental_state_scripting
+        else:
+            decoder.reorder_incremental_state_scripting = wrapped
 
 
 def step_by_step(model, encoder_out, tokens, state=None):
@@ -121,14 +143,16 @@ def test_cache_follows_beam_reorders_and_a_shrinking_batch(beam_size_told):
 def test_each_cache_is_reordered_exactly_once():
     d = make_dictionary()
     model = build_tiny_model(d)
-    src, lengths = padded_sources(d, [4, 6], left_pad=True)
-    tgt = prefixes(d, 2, 3)
+    src, lengths = padded_sources(d, [4, 6, 5], left_pad=True)
+    tgt = prefixes(d, 3, 3)
     with torch.no_grad():
         encoder_out = model.encoder(src, lengths)
         _, state = step_by_step(model, encoder_out, tgt)
         attentions = [m for m in model.decoder.modules() if isinstance(m, MultiHeadedAttention)]
         before = [cached_rows(m, state) for m in attentions]
-        new_order = torch.tensor([1, 0])  # rows from different sentences: everything must move
+        # rows from different sentences: everything must move; a cycle of 3, so that a cache
+        # reordered twice (or three times) ends elsewhere than one reordered once
+        new_order = torch.tensor([1, 2, 0])
         model.decoder.reorder_incremental_state_scripting(state, new_order)
         after = [cached_rows(m, state) for m in attentions]
     assert len(attentions) == 4  # 2 decoder layers x (self, source)
@@ -139,9 +163,7 @@ def test_each_cache_is_reordered_exactly_once():
 
 def test_sequence_generator_beam4_gives_the_same_hypotheses_with_and_without_cache():
     d = make_dictionary(40)
-    model = build_tiny_model(d)
-    with torch.no_grad():  # sharper distributions than random init, so beams differ clearly
-        model.decoder.generator.proj.weight.mul_(4.0)
+    model = sharpen(build_tiny_model(d))
     recomputing = without_cache(model)
     src, lengths = padded_sources(d, [6, 9, 4, 7, 2], left_pad=True)
     sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
@@ -152,7 +174,10 @@ def test_sequence_generator_beam4_gives_the_same_hypotheses_with_and_without_cac
         with torch.no_grad():
             return gen.generate([m], sample)
 
-    cached, recomputed = generate(model), generate(recomputing)
+    with recording_beam_rows(model) as rows:
+        cached = generate(model)
+    recomputed = generate(recomputing)
+    assert rows[0] == 20 and min(rows) < 20  # sentences finish and leave the batch
     n_hypos = 0
     for hyps_a, hyps_b in zip(cached, recomputed):
         assert len(hyps_a) == len(hyps_b) == 4
@@ -201,6 +226,13 @@ def test_a_stale_beam_size_does_not_group_different_sentences():
     SequenceGenerator([model], d, beam_size=2)  # tells the model beam size 2, like fairseq
     assert model.encoder.beam_size == 2
     assert greedy() == fresh
+    # (greedy search reorders nothing while no sentence finishes;) a reorder of distinct
+    # sentences in pairs does not make groups of 2 either
+    from fairseq_plugin.models.annotated_transformer import beam_group
+    with torch.no_grad():
+        swapped = model.encoder.reorder_encoder_out(model.encoder(src, lengths),
+                                                    torch.tensor([1, 0, 3, 2]))
+    assert beam_group(swapped) == 1
 
 
 def test_source_keys_and_values_are_kept_once_per_sentence_and_not_copied_within_groups():
@@ -234,10 +266,7 @@ def test_source_keys_and_values_are_kept_once_per_sentence_and_not_copied_within
 
 
 def sharp_tiny_model():
-    model = build_tiny_model(make_dictionary(40))
-    with torch.no_grad():  # sharper distributions than random init, so beams differ clearly
-        model.decoder.generator.proj.weight.mul_(4.0)
-    return model
+    return sharpen(build_tiny_model(make_dictionary(40)))
 
 
 def beam_search_of_sharp_tiny_model(model=None, beam=4):
@@ -254,12 +283,14 @@ def test_alignments_of_cached_beam_search_equal_a_full_pass_with_source_keys_sti
         monkeypatch):
     """need_attn on (validation with --eval-bleu, --print-alignment): the source attention's
     weights come from the grouped source cache, one row of keys per sentence."""
-    ungrouped = []
-    ungroup = SourceAttentionCache.ungroup
+    ungrouped, stored_in_groups_of = [], []
+    ungroup, append = SourceAttentionCache.ungroup, SourceAttentionCache.append
     monkeypatch.setattr(SourceAttentionCache, "ungroup",
                         lambda self: (ungrouped.append(self.group), ungroup(self)))
+    monkeypatch.setattr(SourceAttentionCache, "append", lambda self, *args: (
+        stored_in_groups_of.append(self.group), append(self, *args)))
     d, model, src, lengths, hypos = beam_search_of_sharp_tiny_model()
-    assert ungrouped == []
+    assert stored_in_groups_of == [4, 4] and ungrouped == []  # 2 layers, beam 4
     for i, sentence in enumerate(hypos):
         for hypo in sentence:
             prev = torch.cat([torch.tensor([d.eos()]), hypo["tokens"][:-1]])[None]
@@ -274,8 +305,9 @@ def test_a_beam_step_reads_the_device_once_shared_by_every_cache_and_the_encoder
     reads nothing (the source mask comes from the encoder, positions are checked against the
     limit from the row length)."""
     model = sharp_tiny_model()
-    with counting_step_calls(model) as counts:
+    with counting_step_calls(model) as counts, recording_beam_rows(model) as rows:
         beam_search_of_sharp_tiny_model(model)
+    assert min(rows) < max(rows)  # also at steps where sentences finish
     reads = {name: [n_reads for _, n_reads in calls] for name, calls in counts.items()}
     assert len(reads["forward"]) >= 5 and len(model.decoder.attentions()) == 4
     assert set(reads["forward"]) == {0}
@@ -309,9 +341,7 @@ def test_the_beams_ancestry_is_one_for_all_layers_and_reordered_once_per_step():
     with 1."""
     launches = {}
     for layers in (1, 3):
-        model = build_tiny_model(make_dictionary(40), decoder_layers=layers)
-        with torch.no_grad():
-            model.decoder.generator.proj.weight.mul_(4.0)
+        model = sharpen(build_tiny_model(make_dictionary(40), decoder_layers=layers))
         with counting_step_calls(model) as counts:
             beam_search_of_sharp_tiny_model(model)
         steps = counts["reorder_incremental_state_scripting"]
@@ -493,9 +523,19 @@ def test_history_rows_equal_per_row_histories_through_reorders_growth_and_shrink
 
 def test_history_reorder_within_groups_moves_no_keys():
     history, _, _ = naive_history_test_steps(4, steps=5)
-    keys = history.k.data_ptr()
-    history.reorder(BeamReorder(torch.tensor([3, 3, 0, 1, 4, 5, 6, 7, 11, 8, 8, 8])))
+    used = history.length * history.group  # keys stored (the rest of the buffer is unwritten)
+    keys, stored = history.k.data_ptr(), (history.k[:, :, :used].clone(),
+                                          history.v[:, :, :used].clone())
+    new_order = torch.tensor([3, 3, 0, 1, 4, 5, 6, 7, 11, 8, 8, 8])
+    with OperationCounter() as reorder:
+        history.reorder(BeamReorder(new_order))
+    with OperationCounter() as deciding:
+        plan_reorder(new_order, 4, 3)
+    # it decides that rows stay in their groups, and does nothing else (no copy, even in place)
+    assert reorder.launches == deciding.launches
     assert history.k.data_ptr() == keys and history.group == 4
+    assert torch.equal(history.k[:, :, :used], stored[0])
+    assert torch.equal(history.v[:, :, :used], stored[1])
     history.append(torch.zeros(12, 2, 1, 4), torch.zeros(12, 2, 1, 4))
     assert history.k.data_ptr() == keys  # the new step is written in place
 
@@ -559,10 +599,8 @@ def test_fused_kernel_in_decoding_steps_equals_the_written_out_formula():
     """Decoding steps with the fused kernel in every attention (as fairseq-generate runs them,
     no alignment asked for) give the beams of the written-out formula."""
     d = make_dictionary(40)
-    model = build_tiny_model(d)
+    model = sharpen(build_tiny_model(d))
     model.decoder.make_generation_fast_(need_attn=False)
-    with torch.no_grad():
-        model.decoder.generator.proj.weight.mul_(4.0)
     src, lengths = padded_sources(d, [6, 9, 4, 7, 2], left_pad=True)
     sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
 
@@ -624,9 +662,7 @@ def test_fairseqs_other_searches_give_the_same_hypotheses_with_and_without_cache
     from fairseq.token_generation_constraints import pack_constraints
 
     d = make_dictionary(40)
-    model = build_tiny_model(d)
-    with torch.no_grad():
-        model.decoder.generator.proj.weight.mul_(4.0)
+    model = sharpen(build_tiny_model(d))
     src, lengths = padded_sources(d, [6, 9, 4], left_pad=True)
     sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
     options, extra = {}, {}
@@ -673,9 +709,7 @@ def test_an_ensemble_of_two_models_gives_the_same_hypotheses_with_and_without_ca
     first = build_tiny_model(d)
     torch.manual_seed(2)
     second = build_tiny_model(d)
-    with torch.no_grad():
-        for m in (first, second):
-            m.decoder.generator.proj.weight.mul_(4.0)
+    sharpen(first), sharpen(second)
     src, lengths = padded_sources(d, [6, 9, 4, 7], left_pad=True)
     sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
 

@@ -299,12 +299,14 @@ def padded_targets(d, lengths, left_pad=False):
     return prev
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["training", "evaluation"])
 @pytest.mark.parametrize("left_pad", [False, True])
-def test_each_sentence_of_a_padded_target_batch_gets_the_logits_it_gets_alone(left_pad):
-    """The decoder skips padding in its position-wise work (and hides left padding from
-    self-attention): padding must change no real position's output."""
+def test_each_sentence_of_a_padded_target_batch_gets_the_logits_it_gets_alone(left_pad, training):
+    """In training the decoder skips padding in its position-wise work; in evaluation it does
+    not; either way it hides left padding from self-attention: padding must change no real
+    position's output."""
     d = make_dictionary()
-    model = build_tiny_model(d)
+    model = build_tiny_model(d, dropout=0.0).train(training)
     lengths = [6, 2, 4, 6]
     src = random_tokens(d, len(lengths), 5)
     prev = padded_targets(d, lengths, left_pad)
