@@ -104,7 +104,10 @@ def test_fully_padded_row_zeroed_also_on_torch_without_it(monkeypatch):
 
     sdpa = F.scaled_dot_product_attention
 
+    calls = []
+
     def old_sdpa(q, k, v, attn_mask=None, **kwargs):  # NaN where a row sees nothing
+        calls.append(attn_mask)
         out = sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
         return out.masked_fill(~attn_mask.any(-1, keepdim=True), float("nan"))
 
@@ -117,6 +120,7 @@ def test_fully_padded_row_zeroed_also_on_torch_without_it(monkeypatch):
     monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", old_sdpa)
     monkeypatch.setattr(attention_module, "_SDPA_ZEROES_EMPTY_ROWS", False)
     out, _ = attn(x, memory, mask=pad_mask(pad))
+    assert len(calls) == 1  # the fused kernel ran
     assert not torch.isnan(out).any()
     assert torch.allclose(out, expected, atol=1e-6)
 
@@ -155,7 +159,11 @@ def test_kernel_choice_is_fused_unless_the_weights_are_needed_or_a_kernel_is_for
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
-def test_fused_and_written_out_kernels_agree_with_masks(causal, padded):
+def test_fused_and_written_out_kernels_agree_with_masks(causal, padded, monkeypatch):
+    import torch.nn.functional as F
+    fused_calls, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: (fused_calls.append(1), sdpa(*args, **kwargs))[1])
     attn = MultiHeadedAttention(4, 32, self_attention=True).eval()
     x = torch.randn(3, 6, 32)
     pad = torch.zeros(3, 6, dtype=torch.bool)
@@ -165,7 +173,9 @@ def test_fused_and_written_out_kernels_agree_with_masks(causal, padded):
     results = {}
     for kernel in (FUSED, EXPLICIT):
         attn.kernel = kernel
+        fused_calls.clear()
         results[kernel] = attn(x, mask=mask, causal=causal)[0]
+        assert len(fused_calls) == (kernel == FUSED)  # each kernel ran, and only it
     expected, _ = seed_formula(x, x, attn, mask=None if not (causal or padded) else (
         (reference.subsequent_mask(6) if causal else True) & ((~pad)[:, None, :] if padded else True)))
     real = ~pad if padded else torch.ones(3, 6, dtype=torch.bool)

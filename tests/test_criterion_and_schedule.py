@@ -112,6 +112,7 @@ def test_noam_without_d_model_is_a_clear_error():
 @pytest.mark.parametrize("option, value, message", [
     ("warmup_updates", 0, "--warmup-updates must be positive"),
     ("noam_factor", -1.0, "--noam-factor must be positive"),
+    ("noam_factor", 0.0, "--noam-factor must be positive"),  # a rate of 0 all the run
     ("noam_model_dim", 0, "--noam-model-dim must be positive"),
     ("noam_model_dim", -512, "--noam-model-dim must be positive")])
 def test_noam_refuses_a_rate_that_is_not_positive(option, value, message):
@@ -126,3 +127,5 @@ def test_label_smoothing_outside_zero_to_one_is_a_clear_error(eps):
     task = Namespace(target_dictionary=make_dictionary())
     with pytest.raises(PluginError, match=rf"--label-smoothing {eps} is not in \[0, 1\)"):
         AnnotatedLabelSmoothingCriterion(task, sentence_avg=False, label_smoothing=eps)
+    for edge in (0.0, 0.999):  # inside: built
+        AnnotatedLabelSmoothingCriterion(task, sentence_avg=False, label_smoothing=edge)

@@ -174,6 +174,14 @@ def test_fairseq_generate_without_the_plugin_translates_like_the_original(
     theirs = reverse_task.read_generate_output(str(path))
     assert len(theirs) == len(generated) == 500
     assert {i: h for i, (_, _, h) in theirs.items()} == {i: h for i, (_, _, h) in generated.items()}
+    # and with the same scores (most hypotheses are right whichever model made them)
+    def scores(text):
+        return {int(line.split("\t")[0][2:]): float(line.split("\t")[1])
+                for line in text.splitlines() if line.startswith("H-")}
+    ours = scores((reverse_run["dir"] / "generate.txt").read_text())
+    exported_scores = scores(out.stdout)
+    assert len(ours) == 500
+    assert max(abs(exported_scores[i] - ours[i]) for i in ours) <= 1e-3
 
 
 def test_ctranslate2_greedy_decoding_equals_fairseq_generate_beam_1(reverse_run, exported):

@@ -3,6 +3,7 @@ its presets), the criterion and noam; the checkpoints it writes work everywhere 
 does."""
 
 import json
+import math
 import os
 import shutil
 
@@ -91,9 +92,11 @@ def test_a_hydra_checkpoint_works_in_generate_interactive_hub_export_and_restore
     from fairseq_plugin import AnnotatedTransformerModel
 
     checkpoint = runs["checkpoint"]
-    def hypotheses(output, column=2):
+    def hypotheses(output, column=2, kind=None):
+        """{sentence: column} of fairseq's H- lines (S- lines for column 1 unless kind)."""
+        kind = kind or ("H-", "S-")[column == 1]
         return {int(line.split("\t")[0][2:]): line.split("\t")[column]
-                for line in output.splitlines() if line.startswith(("H-", "S-")[column == 1])}
+                for line in output.splitlines() if line.startswith(kind)}
 
     generated = cli(*reverse_task.generate_command(str(data_bin), str(checkpoint))).stdout
     hyps, sources = hypotheses(generated), hypotheses(generated, column=1)
@@ -102,14 +105,22 @@ def test_a_hydra_checkpoint_works_in_generate_interactive_hub_export_and_restore
     assert hypotheses(cli(*reverse_task.generate_command(str(data_bin), str(command_line))).stdout
                       ) == hyps  # the same model, the same translations
 
+    # a model this briefly trained says much the same for every input: the scores tell the
+    # inputs apart (fairseq prints them in base 2)
+    scores = {i: float(score) for i, score in hypotheses(generated, column=1, kind="H-").items()}
+    few = range(5)
     interactive = cli("fairseq-interactive", data_bin, "--user-dir", "fairseq_plugin", "--path",
-                      checkpoint, "--beam", "5", "--cpu", input=sources[0] + "\n").stdout
-    assert [line.split("\t")[2] for line in interactive.splitlines()
-            if line.startswith("H-")] == [hyps[0]]
+                      checkpoint, "--beam", "5", "--cpu",
+                      input="".join(sources[i] + "\n" for i in few)).stdout
+    assert hypotheses(interactive) == {i: hyps[i] for i in few}
+    interactive_scores = hypotheses(interactive, column=1, kind="H-")
+    assert all(abs(float(interactive_scores[i]) - scores[i]) <= 1e-3 for i in few)
 
     hub = AnnotatedTransformerModel.from_pretrained(
         str(checkpoint.parent), checkpoint_file=checkpoint.name, data_name_or_path=str(data_bin))
     assert hub.translate(sources[0], beam=5) == hyps[0]
+    best = hub.generate([hub.encode(sources[0])], beam=5)[0][0]
+    assert abs(float(best["score"]) / math.log(2) - scores[0]) <= 1e-3
 
     cli("annotated-export-fairseq", checkpoint, "--output", tmp_path / "transformer.pt")
     exported = cli("fairseq-generate", data_bin, "--path", tmp_path / "transformer.pt",

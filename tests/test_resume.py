@@ -4,8 +4,9 @@ The resume is proven rather than assumed: the resumed command's log says it load
 checkpoint_last.pt after epoch 1, it does not train epoch 1 again, its update count goes on from the
 checkpoint's, and every update it makes is taken with the learning rate the uninterrupted run used
 for that update (read from the optimizer as the step runs), for fairseq's inverse_sqrt and for the
-plugin's noam. fairseq's resume is not bit-exact (its own transformer drifts too, see the README),
-so the parameters are compared with fairseq's transformer's own gap in the same test.
+plugin's noam, starting from exactly the parameters the checkpoint holds. fairseq's resume is not
+bit-exact after that (its own transformer drifts too, see the README), so the parameters at the end
+are compared with fairseq's transformer's own gap in the same test.
 """
 
 import json
@@ -35,10 +36,13 @@ def data_bin(tmp_path_factory):
                             splits=("train", "valid"))
 
 
-def train(data_bin, arch, schedule, save_dir, epochs):
-    """fairseq-train (recording the rate of each update); returns its log, the rates by update
-    and the last checkpoint's parameters."""
+def train(data_bin, arch, schedule, save_dir, epochs, first_parameters=None):
+    """fairseq-train (recording the rate of each update, and the parameters the first update
+    starts from into ``first_parameters``); returns its log, the rates by update and the last
+    checkpoint's parameters."""
     env = {k: v for k, v in os.environ.items() if k != "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"}
+    if first_parameters is not None:
+        env["RECORD_FIRST_PARAMETERS"] = str(first_parameters)
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "record_lr_train.py"), str(data_bin),
          "--user-dir", PLUGIN_DIR, "--arch", arch, *SIZES, "--share-all-embeddings",
@@ -62,9 +66,13 @@ def resume_gap(data_bin, arch, schedule, tmp_path):
     difference| between the two results."""
     _, whole_rates, whole = train(data_bin, arch, schedule, tmp_path / f"{arch}-whole", 2)
     stopped_dir = tmp_path / f"{arch}-resumed"
-    _, first_rates, _ = train(data_bin, arch, schedule, stopped_dir, 1)
+    _, first_rates, stopped = train(data_bin, arch, schedule, stopped_dir, 1)
     stopped_at = max(first_rates)
-    log, resumed_rates, resumed = train(data_bin, arch, schedule, stopped_dir, 2)
+    start = tmp_path / f"{arch}-start.pt"
+    log, resumed_rates, resumed = train(data_bin, arch, schedule, stopped_dir, 2, start)
+    started_from = torch.load(start)
+    assert started_from.keys() == stopped.keys()
+    assert all(torch.equal(started_from[k], stopped[k]) for k in stopped), "not the checkpoint's"
 
     # fairseq names the epoch the checkpoint's iterator continues with: 2, epoch 1 being done
     loaded = [line for line in log.splitlines() if "Loaded checkpoint" in line]

@@ -136,7 +136,9 @@ def trained(prepared):
 
 def test_short_run_generates_and_scores_with_sacrebleu(trained):
     w, ckpt = trained
-    proc = cli("annotated-evaluate-bleu", w / "bin", ckpt / "checkpoint_last.pt", "--examples", "2")
+    output = w / "hypotheses.txt"
+    proc = cli("annotated-evaluate-bleu", w / "bin", ckpt / "checkpoint_last.pt", "--examples", "2",
+               "--output", output)
     lines = proc.stdout.splitlines()
     assert any(line.startswith("BLEU = ") and "(test, beam 5, lenpen 1, 60 sentences)" in line
                for line in lines)
@@ -165,10 +167,14 @@ def test_short_run_generates_and_scores_with_sacrebleu(trained):
     refs = (w / "bin" / "raw" / "test.en").read_text(encoding="utf-8").splitlines()
     printed = next(line for line in lines if line.startswith("BLEU = ")).split()[2]
     assert printed == f"{sacrebleu.corpus_bleu(hyps, [refs]).score:.2f}"
-    # the length penalty is chosen on the validation set
+    # (a barely trained model scores near 0 whatever the order: the hypotheses scored are the
+    # D- lines in the test set's order, as --output writes them)
+    assert output.read_text(encoding="utf-8").splitlines() == hyps
+    # the length penalty is chosen on the validation set, and reaches fairseq-generate
     proc = cli("annotated-evaluate-bleu", w / "bin", ckpt / "checkpoint_last.pt", "--examples", "0",
                "--subset", "valid", "--lenpen", "1.5")
     assert "(valid, beam 5, lenpen 1.5, " in proc.stdout
+    assert "'lenpen': 1.5" in (ckpt / "generate-valid.log").read_text()
 
 
 def test_evaluation_refuses_bad_input_in_one_line_and_keeps_earlier_outputs(trained, tmp_path):
