@@ -42,6 +42,7 @@ from ..modules.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 from ..modules.packing import packing_for
 from .config import AnnotatedTransformerConfig, check_options, resolve_options
 
+
 class AnnotatedTransformerEncoder(FairseqEncoder):
     """"The encoder is composed of a stack of N identical layers." (section 3.1) Built by
     ``AnnotatedTransformerModel.make_model``."""
