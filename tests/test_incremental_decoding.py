@@ -7,7 +7,8 @@ import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
-from conftest import build_tiny_model, make_dictionary, random_tokens, sharpen
+from conftest import (PLUGIN_DIR, build_tiny_model, make_dictionary, random_tokens,
+                      reverse_data_bin, sharpen)
 from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, MultiHeadedAttention,
                                               explicit_attention)
 from fairseq_plugin.modules.cache import (Ancestry, BeamReorder, SelfAttentionCache,
@@ -776,3 +777,43 @@ def test_a_step_after_every_sentence_finished_returns_an_empty_batch(beam_size_t
         tokens = torch.cat([tokens, random_tokens(d, bsz * beam, 1)], 1).index_select(0, empty)
         logits = model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)[0]
     assert logits.shape == (0, 1, len(d))
+
+
+def test_fairseqs_multilingual_task_decodes_the_same_with_and_without_cache(tmp_path):
+    """fairseq's translation_multi_simple_epoch (one model for several directions, a language
+    token on the source and one forced first on the target): its beam search over the cache
+    equals the recomputed one, and every hypothesis begins with the target language's token."""
+    from fairseq import options, tasks, utils
+
+    data_bin = reverse_data_bin(tmp_path, "--train", 50, "--valid", 20, "--test", 20)
+    common = [str(data_bin), "--user-dir", PLUGIN_DIR, "--task", "translation_multi_simple_epoch",
+              "--lang-pairs", "src-tgt,tgt-src", "--source-lang", "tgt", "--target-lang", "src",
+              "--encoder-langtok", "src", "--decoder-langtok", "--max-tokens", "1000", "--cpu"]
+    train_args = options.parse_args_and_arch(options.get_training_parser(),
+                                             common + ["--arch", "annotated_transformer_tiny"])
+    generate_args = options.parse_args_and_arch(options.get_generation_parser(),
+                                                common + ["--beam", "4", "--max-len-b", "20"])
+    task = tasks.setup_task(train_args)
+    task.load_dataset("test")
+    torch.manual_seed(1)  # a model whose hypotheses end at different steps
+    model = sharpen(task.build_model(train_args)).eval()
+    batches = task.get_batch_iterator(
+        dataset=task.dataset("test"), max_tokens=1000,
+        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()))
+    sample = next(batches.next_epoch_itr(shuffle=False))
+
+    def beam_search(m):
+        with torch.no_grad():
+            return task.inference_step(task.build_generator([m], generate_args), [m], sample)
+
+    with recording_beam_rows(model) as rows:
+        cached = beam_search(model)
+    recomputed = beam_search(without_cache(model))
+    assert rows[0] == 80 and min(rows) < 80  # sentences finish and leave the batch
+    assert len(cached) == 20
+    target_language = task.source_dictionary.index("__src__")
+    for hyps_a, hyps_b in zip(cached, recomputed):
+        assert [h["tokens"].tolist() for h in hyps_a] == [h["tokens"].tolist() for h in hyps_b]
+        for a, b in zip(hyps_a, hyps_b):
+            assert abs(float(a["score"]) - float(b["score"])) <= 1e-4
+            assert int(a["tokens"][0]) == target_language
