@@ -39,10 +39,6 @@ HAS_ALLOWLIST = hasattr(torch.serialization, "add_safe_globals")
 HAS_SCOPED_ALLOWLIST = hasattr(torch.serialization, "safe_globals")
 
 
-def torch_version() -> tuple:
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-
-
 def numeric_numpy_array_globals() -> list:
     """What unpickling a numpy array of numbers takes: numpy's array rebuilder (also under
     numpy 1's name, for checkpoints written there), ``ndarray``, ``dtype`` and the dtype class of
@@ -55,7 +51,7 @@ def numeric_numpy_array_globals() -> list:
     rebuild = np.ndarray(0).__reduce__()[0]  # numpy._core.multiarray._reconstruct
     entries = [rebuild, np.ndarray, np.dtype] + [type(np.dtype(t)) for t in numeric]
     numpy_1_name = "numpy.core.multiarray._reconstruct"
-    if f"{rebuild.__module__}.{rebuild.__name__}" != numpy_1_name and torch_version() >= (2, 6):
+    if f"{rebuild.__module__}.{rebuild.__name__}" != numpy_1_name and torch.__version__ >= (2, 6):
         entries.append((rebuild, numpy_1_name))  # torch >= 2.6 takes (global, name)
     return entries
 

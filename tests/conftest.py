@@ -52,11 +52,6 @@ def sharpen(model):
     return model
 
 
-def torch_version():
-    """(major, minor) of the installed torch."""
-    return tuple(int(p) for p in torch.__version__.split(".")[:2])
-
-
 def _cpu_multiplies(dtype) -> bool:
     try:
         torch.ones(2, 2, dtype=dtype) @ torch.ones(2, 2, dtype=dtype)
@@ -69,7 +64,7 @@ def _cpu_multiplies(dtype) -> bool:
 # on a torch older than 2.2 that lacks the product (from 2.2 on, a failure is a failure)
 CPU_HALF_DTYPES = [
     pytest.param(dtype, marks=pytest.mark.skipif(
-        torch_version() < (2, 2) and not _cpu_multiplies(dtype),
+        torch.__version__ < (2, 2) and not _cpu_multiplies(dtype),
         reason=f"this torch has no {dtype} matrix product on the CPU"))
     for dtype in (torch.float16, torch.bfloat16)]
 

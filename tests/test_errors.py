@@ -10,7 +10,7 @@ import torch
 from fairseq import checkpoint_utils
 
 from fairseq_plugin.errors import TRACEBACK_VARIABLE, PluginError, one_line_error, spelling_hint
-from conftest import assert_one_line_error, cli, torch_version
+from conftest import assert_one_line_error, cli
 
 RAISE = ("import fairseq_plugin\n"
          "def load():\n"
@@ -113,7 +113,7 @@ def test_a_checkpoint_torch_reads_but_fairseq_cannot_use_is_not_called_damaged(t
     assert isinstance(error, KeyError) and not isinstance(error, PluginError)  # fairseq's own
 
 
-@pytest.mark.skipif(torch_version() < (2, 6), reason="torch < 2.6 loads checkpoints without "
+@pytest.mark.skipif(torch.__version__ < (2, 6), reason="torch < 2.6 loads checkpoints without "
                                                      "weights_only by default: nothing refuses")
 @pytest.mark.parametrize("zip_format", [True, False])
 def test_a_checkpoint_refused_by_weights_only_is_not_called_damaged(tmp_path, zip_format):
