@@ -312,7 +312,8 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
     raw_cfg["common"] = common
     criterion = raw_cfg.get("criterion")
     if isinstance(criterion, dict) and criterion.get("_name") == "annotated_label_smoothing":
-        # the same loss in fairseq's own criterion
+        # fairseq's nearest criterion, not the same loss: it spreads the smoothing over V - 1
+        # tokens, padding included, the notebook's over V - 2 (fairseq-validate differs a little)
         raw_cfg["criterion"] = {**criterion, "_name": "label_smoothed_cross_entropy"}
     history = [dict(h) for h in raw.get("optimizer_history", [])]
     for h in history:

@@ -4,7 +4,7 @@
 Tatoeba (tatoeba.org, packaged by www.manythings.org/anki), CC BY 2.0. Sentences repeat on both
 sides (one English sentence with several German translations and the other way round), so pairs
 are grouped: two pairs are in one group when they share their German or their English side after
-the preparation's normalisation and tokenisation (annotated-prepare's MosesPipeline), and groups
+Moses punctuation normalisation and the preparation's tokenisation (``grouping_key``), and groups
 are connected through shared sentences. Valid and test take one pair from each of their groups;
 training takes pairs only from the other groups, so no valid or test sentence, on either side,
 occurs in training. Only pairs whose English side has MIN..MAX words are used, which keeps the
@@ -21,12 +21,22 @@ import random
 import shutil
 
 
+def grouping_key(lang):
+    """A sentence's key: Moses punctuation normalisation, then fairseq's Moses tokenisation (as
+    annotated-prepare tokenises), so sentences differing only in quotes, dashes or spacing share
+    one key."""
+    from sacremoses import MosesPunctNormalizer
+
+    from fairseq_plugin.cli.prepare import moses_tokenizer
+
+    normalise, tokenise = MosesPunctNormalizer(lang=lang).normalize, moses_tokenizer(lang)
+    return lambda sentence: tokenise(normalise(sentence))
+
+
 def connected_groups(pairs):
     """Indices of ``pairs`` grouped so that pairs sharing a normalised German or English sentence
     (directly or through other pairs) are in one group; groups in order of first appearance."""
-    from fairseq_plugin.cli.prepare import MosesPipeline
-
-    normalise = {"de": MosesPipeline("de"), "en": MosesPipeline("en")}
+    normalise = {"de": grouping_key("de"), "en": grouping_key("en")}
     parent = list(range(len(pairs)))
 
     def root(i):

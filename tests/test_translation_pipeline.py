@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import runpy
 
 import pytest
 import torch
@@ -20,20 +21,29 @@ from fairseq_plugin.errors import PluginError
 BUNDLED = os.path.join(REPO, "examples", "tatoeba", "data")
 
 
-def write_slice(raw, n_train=3000, n_eval=60):
+def write_slice(raw, n_train=3000, n_eval=60, byte_order_mark=()):
+    """The first lines of the bundled sample; the files named in ``byte_order_mark`` (e.g.
+    "test.en") start with one, as editors on Windows write them."""
     os.makedirs(raw, exist_ok=True)
     for split, n in (("train", n_train), ("valid", n_eval), ("test", n_eval)):
         for lang in ("de", "en"):
             with gzip.open(os.path.join(BUNDLED, f"{split}.{lang}.gz"), "rt", encoding="utf-8") as f:
                 lines = [next(f) for _ in range(n)]
-            with open(os.path.join(raw, f"{split}.{lang}"), "w", encoding="utf-8") as f:
+            name = f"{split}.{lang}"
+            with open(os.path.join(raw, name), "w",
+                      encoding="utf-8-sig" if name in byte_order_mark else "utf-8") as f:
                 f.writelines(lines)
+
+
+def read_lines(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read().splitlines()
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     w = tmp_path_factory.mktemp("tatoeba")
-    write_slice(w / "raw")
+    write_slice(w / "raw", byte_order_mark=("train.de", "test.en"))
     shown = io.StringIO()  # not a terminal: progress comes as lines
     with contextlib.redirect_stderr(shown):
         settings = prepare_translation.prepare(str(w / "raw"), str(w / "bin"), "de", "en",
@@ -66,10 +76,30 @@ def test_prepare_writes_bpe_text_joined_dictionaries_and_references(prepared):
     assert codes[0].startswith("#version") and len(codes) == 501
     train_de = (b / "text" / "train.de").read_text()
     assert "@@ " in train_de  # BPE applied
-    # Moses tokenisation: punctuation split off; raw references kept untouched
-    first_raw = (b / "raw" / "test.en").read_text().splitlines()[0]
-    assert first_raw == open(w / "raw" / "test.en").readline().rstrip("\n")
+    # Moses tokenisation: punctuation split off; raw references kept, but not a byte-order mark
+    references = read_lines(b / "raw" / "test.en")
+    assert read_lines(w / "raw" / "test.en")[0] == "\ufeff" + references[0]
+    assert references[1:] == read_lines(w / "raw" / "test.en")[1:]
     assert (b / "text" / "test.en").read_text().splitlines()[0].endswith(" .")
+    assert "\ufeff" not in (b / "text" / "train.de").read_text()
+
+
+def test_prepare_tokenises_as_fairseq_interactive_tokenizer_moses_does(prepared):
+    """The training text, BPE undone, is what fairseq-interactive --tokenizer moses makes of the
+    raw text: typographic quotes and apostrophes (in 16 lines of this slice) included."""
+    from argparse import Namespace
+
+    from fairseq.data import encoders
+
+    w, _ = prepared
+    for lang in ("de", "en"):
+        interactive = encoders.build_tokenizer(Namespace(tokenizer="moses", source_lang=lang,
+                                                         target_lang="en", moses_no_dash_splits=False,
+                                                         moses_no_escape=False))
+        raw = [line.lstrip("\ufeff") for line in read_lines(w / "raw" / f"train.{lang}")]
+        trained_on = [line.replace("@@ ", "") for line in read_lines(w / "bin" / "text" / f"train.{lang}")]
+        assert trained_on == [interactive.encode(line) for line in raw]
+    assert sum("„" in line or "’" in line for line in read_lines(w / "raw" / "train.de")) >= 10
 
 
 def test_prepare_refuses_misaligned_files(tmp_path):
@@ -119,6 +149,33 @@ def test_prepare_refuses_text_that_is_not_utf8_and_too_few_merges(tmp_path):
         prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "b"), "de", "en", splits,
                                     bpe_merges=0)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_prepare_refuses_a_file_as_destination_a_destination_holding_the_raw_text_and_no_merges(
+        tmp_path):
+    splits = {"train": "train", "valid": "valid", "test": "test"}
+    write_slice(tmp_path / "raw", n_train=50, n_eval=5)
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(prepare_translation.PrepareError, match="--dest .*file is a file; give a "
+                                                               "directory"):
+        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "file"), "de", "en",
+                                    splits)
+    for dest in (tmp_path / "raw", tmp_path):  # --force would delete the raw text
+        with pytest.raises(prepare_translation.PrepareError,
+                           match="--raw-dir .* is inside --dest .*, which the preparation replaces"):
+            prepare_translation.prepare(str(tmp_path / "raw"), str(dest), "de", "en", splits,
+                                        force=True)
+    assert len(read_lines(tmp_path / "raw" / "train.de")) == 50
+    # two sentences share no pair of symbols twice: subword-nmt learns no merge
+    for split in splits:
+        (tmp_path / "raw" / f"{split}.de").write_text("ab\n")
+        (tmp_path / "raw" / f"{split}.en").write_text("cd\n")
+    with pytest.raises(prepare_translation.PrepareError,
+                       match="no pair of symbols occurs twice in train.de \\+ train.en, so BPE "
+                             "learnt no merge: give more text"):
+        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "new"), "de", "en",
+                                    splits)
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +278,41 @@ def test_averaging_two_checkpoints_gives_the_mean_and_still_generates(trained, t
     assert [int(m[1]) for m in batches] == list(range(2, total + 1))
 
 
+def test_averaging_reads_eval_bleu_metrics_and_keeps_the_state_of_the_input_trained_longest(
+        trained, tmp_path):
+    """--eval-bleu saves numpy arrays of n-gram counts in each checkpoint; inputs given newest
+    first still give the newest's epoch and updates (what --restore-file resumes from)."""
+    import numpy as np
+
+    _, ckpt = trained
+    inputs = []
+    for epoch in (2, 1):
+        state = torch.load(ckpt / f"checkpoint{epoch}.pt", weights_only=False)
+        state["extra_state"]["metrics"] = {"valid": [("_bleu_counts_0", np.array([9, 7], np.int64))]}
+        torch.save(state, tmp_path / f"checkpoint{epoch}.pt")
+        inputs.append(str(tmp_path / f"checkpoint{epoch}.pt"))
+    out = tmp_path / "new" / "avg.pt"  # a directory that does not exist yet
+    average_checkpoints.main(["--inputs", *inputs, "--output", str(out)])
+    averaged, newest, older = (torch.load(path, weights_only=False) for path in [out] + inputs)
+    epoch = lambda state: state["extra_state"]["train_iterator"]["epoch"]  # noqa: E731
+    updates = lambda state: state["optimizer_history"][-1]["num_updates"]  # noqa: E731
+    assert epoch(averaged) == epoch(newest) == epoch(older) + 1
+    assert updates(averaged) == updates(newest) > updates(older)
+    assert averaged["extra_state"]["metrics"]["valid"][0][1].tolist() == [9, 7]
+    assert os.listdir(tmp_path / "new") == ["avg.pt"]
+
+
+def test_averaging_refuses_a_directory_as_output_before_averaging(trained, tmp_path):
+    _, ckpt = trained
+    with pytest.raises(SystemExit) as exited:
+        average_checkpoints.main(["--inputs", str(ckpt / "checkpoint1.pt"), "--output",
+                                  str(tmp_path), "--force"])
+    assert str(exited.value) == (
+        f"annotated-average-checkpoints: error: --output {tmp_path} is a directory; give a file "
+        f"name, e.g. {tmp_path}/checkpoint_avg.pt")
+    assert os.listdir(tmp_path) == []
+
+
 def test_averaging_refuses_different_architectures(trained, tmp_path):
     _, ckpt = trained
     other = torch.load(ckpt / "checkpoint1.pt")
@@ -297,6 +389,11 @@ def test_iwslt14_files_become_train_valid_test(tmp_path):
     assert not any("<" in line for line in train + valid)
     assert test[0] == "IWSLT14.TED.dev2010 sentence eins" and len(test) == 10
     assert len(read("test.de")) == 10 and read("valid.de")[0] == valid[0].replace("sentence", "Satz")
+    os.remove(d / "IWSLT14.TED.tst2012.de-en.en.xml")
+    with pytest.raises(prepare_translation.PrepareError,
+                       match="missing .*/IWSLT14.TED.tst2012.de-en.en.xml: --raw-dir for iwslt14 is "
+                             "the extracted de-en/ folder"):
+        prepare_translation.iwslt14_to_raw(str(d), str(tmp_path / "raw2"))
 
 
 def test_attention_heatmaps_are_pngs_of_rows_summing_to_one(prepared, trained, tmp_path):
@@ -374,8 +471,10 @@ def test_the_demo_goes_on_only_over_a_data_bin_an_earlier_demo_made(tmp_path):
 
 
 def test_no_valid_or_test_sentence_of_the_bundled_sample_occurs_in_its_training_data():
-    """On either side, after the preparation's normalisation and tokenisation."""
-    from fairseq_plugin.cli.prepare import MosesPipeline
+    """On either side, after punctuation normalisation and tokenisation (the sample's grouping
+    key, which also catches sentences differing only in their quotes or dashes)."""
+    grouping_key = runpy.run_path(os.path.join(REPO, "scripts", "make_tatoeba_sample.py"))[
+        "grouping_key"]
 
     def read(split, lang):
         with gzip.open(os.path.join(BUNDLED, f"{split}.{lang}.gz"), "rt", encoding="utf-8") as f:
@@ -385,7 +484,7 @@ def test_no_valid_or_test_sentence_of_the_bundled_sample_occurs_in_its_training_
         return "".join(c for c in sentence if c.isalnum())
 
     for lang in ("de", "en"):
-        normalise = MosesPipeline(lang)
+        normalise = grouping_key(lang)
         train = {}
         for sentence in read("train", lang):
             train.setdefault(letters(sentence), set()).add(sentence)

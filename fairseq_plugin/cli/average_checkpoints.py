@@ -8,8 +8,9 @@ a single model obtained by averaging the last 5 checkpoints").
   annotated-average-checkpoints --inputs DIR --num-update-checkpoints 5 --output avg.pt
   annotated-average-checkpoints --inputs a.pt b.pt c.pt --output avg.pt
 
-The result is the newest input with its model parameters replaced by the element-wise mean, so
-fairseq-generate, fairseq-interactive and --restore-file load it like any checkpoint.
+The result is the input trained longest (the most updates; of equals, the last listed) with its
+model parameters replaced by the element-wise mean, so fairseq-generate, fairseq-interactive and
+--restore-file load it like any checkpoint.
 """
 
 import argparse
@@ -19,6 +20,7 @@ import re
 
 import torch
 
+from ..checkpoints import load_plain
 from ..errors import PluginError, exit_in_one_line
 
 
@@ -35,10 +37,8 @@ def _arch(state):
 
 
 def load(path):
-    from .. import checkpoints  # noqa: F401  (allowlist fairseq's classes for weights_only)
-
-    try:
-        state = torch.load(path, map_location="cpu")
+    try:  # as fairseq loads a checkpoint: its classes and --eval-bleu's numpy counts allowed
+        state = load_plain(path)
     except FileNotFoundError:
         raise PluginError(f"no checkpoint at {path}")
     except Exception as e:
@@ -50,15 +50,23 @@ def load(path):
     return state
 
 
+def _updates(state) -> int:
+    history = state.get("optimizer_history") or [{}]
+    return history[-1].get("num_updates", 0)
+
+
 def average(paths):
-    """Element-wise mean of the models in ``paths``; returns the newest state with it."""
+    """Element-wise mean of the models in ``paths``; returns it in the state of the input trained
+    longest (its epoch, data iterator and optimizer, for --restore-file)."""
     if len(paths) < 1:
         raise PluginError("no checkpoints to average")
     total = None
     first_path, first_arch, shapes = None, None, None
-    state = None
+    newest = None
     for path in paths:
         state = load(path)
+        if newest is None or _updates(state) >= _updates(newest):
+            newest = state
         arch = _arch(state)
         params = state["model"]
         these = {k: tuple(v.shape) for k, v in params.items()}
@@ -79,11 +87,11 @@ def average(paths):
             if v.is_floating_point():
                 total[k] += v.double()
     n = len(paths)
-    reference = state["model"]  # the last path's dtypes
-    state["model"] = collections.OrderedDict(
+    reference = newest["model"]  # its dtypes
+    newest["model"] = collections.OrderedDict(
         (k, (v / n).to(reference[k].dtype) if v.is_floating_point() else v)
         for k, v in total.items())
-    return state
+    return newest
 
 
 def last_checkpoints(directory, n, by_update=False):
@@ -134,12 +142,20 @@ def main(argv=None):
                     f"--num-update-checkpoints N to average its last N checkpoints")
         else:
             paths = args.inputs
+        if os.path.isdir(args.output):
+            raise PluginError(f"--output {args.output} is a directory; give a file name, e.g. "
+                              f"{os.path.join(args.output, 'checkpoint_avg.pt')}")
         if os.path.exists(args.output) and not args.force:
             raise PluginError(f"{args.output} exists; pass --force to overwrite it")
         state = average(paths)
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         tmp = args.output + ".tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, args.output)  # never leave a half-written checkpoint
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, args.output)  # never leave a half-written checkpoint
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     except PluginError as e:
         exit_in_one_line("annotated-average-checkpoints", e)
     print(f"averaged {len(paths)} checkpoints into {args.output}:")

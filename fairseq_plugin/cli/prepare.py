@@ -1,5 +1,5 @@
-"""Raw parallel text -> fairseq data-bin: Moses normalisation and tokenisation (sacremoses),
-joint BPE (subword-nmt), fairseq-preprocess --joined-dictionary.
+"""Raw parallel text -> fairseq data-bin: fairseq's Moses tokenisation (sacremoses), joint BPE
+(subword-nmt), fairseq-preprocess --joined-dictionary.
 
   # your own files: RAW/train.de RAW/train.en RAW/valid.* RAW/test.* (plain or .gz)
   annotated-prepare --source-lang de --target-lang en --raw-dir RAW --dest data-bin/xx
@@ -17,6 +17,7 @@ sacreBLEU) and ``prepare.json`` (the settings, for evaluation and translation).
 import argparse
 import functools
 import gzip
+import io
 import json
 import os
 import re
@@ -61,12 +62,12 @@ class PrepareError(PluginError):
 
 
 def open_text(path):
-    """A plain or gzipped text file (PATH or PATH.gz)."""
+    """A plain or gzipped UTF-8 text file (PATH or PATH.gz), without a leading byte-order mark."""
     if not os.path.exists(path) and os.path.exists(path + ".gz"):
         path += ".gz"
     if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
 
 
 def not_utf8(path) -> str:
@@ -177,13 +178,15 @@ def iwslt14_to_raw(extracted, raw_dir, src="de", tgt="en"):
                 tar.extractall(where)
         extracted = os.path.join(os.path.dirname(os.path.abspath(extracted)), "de-en")
     pair = f"{src}-{tgt}"
-    train = {}
     for lang in (src, tgt):
-        path = os.path.join(extracted, f"train.tags.{pair}.{lang}")
-        if not os.path.exists(path):
-            raise PrepareError(f"missing {path}: --raw-dir for iwslt14 is the extracted "
-                               f"{pair}/ folder (or {pair}.tgz) of IWSLT'14")
-        train[lang] = _iwslt_train_lines(path)
+        names = [f"train.tags.{pair}.{lang}"] + [f"{test}.{pair}.{lang}.xml"
+                                                  for test in IWSLT_TEST_SETS]
+        for path in (os.path.join(extracted, name) for name in names):
+            if not os.path.exists(path):
+                raise PrepareError(f"missing {path}: --raw-dir for iwslt14 is the extracted "
+                                   f"{pair}/ folder (or {pair}.tgz) of IWSLT'14")
+    train = {lang: _iwslt_train_lines(os.path.join(extracted, f"train.tags.{pair}.{lang}"))
+             for lang in (src, tgt)}
     if len(train[src]) != len(train[tgt]):
         raise PrepareError(f"IWSLT'14 train.tags files differ in length after cleaning "
                            f"({len(train[src])} vs {len(train[tgt])})")
@@ -200,20 +203,13 @@ def iwslt14_to_raw(extracted, raw_dir, src="de", tgt="en"):
     return raw_dir
 
 
-class MosesPipeline:
-    """Moses punctuation normalisation + tokenisation, with fairseq's ``--tokenizer moses``
-    settings (aggressive dash splits, XML escaping), so fairseq-interactive --tokenizer moses
-    tokenises new text exactly as the training data was."""
+def moses_tokenizer(lang):
+    """fairseq's own ``--tokenizer moses`` for ``lang`` (sacremoses with aggressive dash splits and
+    XML escaping, no punctuation normalisation): fairseq-interactive and the hub tokenise new
+    text exactly as the training data was."""
+    from fairseq.data.encoders.moses_tokenizer import MosesTokenizer, MosesTokenizerConfig
 
-    def __init__(self, lang):
-        from sacremoses import MosesPunctNormalizer, MosesTokenizer
-
-        self.normalizer = MosesPunctNormalizer(lang=lang)
-        self.tokenizer = MosesTokenizer(lang=lang)
-
-    def __call__(self, line):
-        return self.tokenizer.tokenize(self.normalizer.normalize(line), aggressive_dash_splits=True,
-                                       return_str=True, escape=True)
+    return MosesTokenizer(MosesTokenizerConfig(source_lang=lang, target_lang=lang)).encode
 
 
 class CountingMerges:
@@ -243,43 +239,53 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
 
     if bpe_merges < 1:
         raise PrepareError(f"--bpe-merges {bpe_merges}: give a number of merges of at least 1")
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise PrepareError(f"--dest {dest} is a file; give a directory (new or empty)")
+    real_dest = os.path.realpath(dest)
+    if os.path.commonpath([os.path.realpath(raw_dir), real_dest]) == real_dest:
+        raise PrepareError(f"--raw-dir {raw_dir} is inside --dest {dest}, which the preparation "
+                           f"replaces; give a --dest outside the raw text")
     replace = os.path.isdir(dest) and os.listdir(dest)
     if replace and not force:
         raise PrepareError(f"{dest} is not empty; choose another --dest or pass --force to "
                            f"replace it")
     langs = (source_lang, target_lang)
     data = {split: read_parallel(raw_dir, prefix, *langs) for split, prefix in splits.items()}
-    if replace:  # only once the input is known to be good
-        shutil.rmtree(dest)
-    text, raw = os.path.join(dest, "text"), os.path.join(dest, "raw")
-    os.makedirs(text)
-    os.makedirs(raw)
-
-    # raw valid/test text: the references for detokenised sacreBLEU
-    for split in ("valid", "test"):
-        for lang, lines in zip(langs, data[split]):
-            with open(os.path.join(raw, f"{split}.{lang}"), "w", encoding="utf-8") as f:
-                f.writelines(line + "\n" for line in lines)
 
     tokenised = {}
     for split, sides in data.items():
         tokenised[split] = []
         for lang, lines in zip(langs, sides):
-            moses = MosesPipeline(lang)
+            tokenise = moses_tokenizer(lang)
             tokenised[split].append(
-                [moses(line) for line in progress(lines, f"tokenise {split}.{lang}")])
+                [tokenise(line) for line in progress(lines, f"tokenise {split}.{lang}")])
 
-    codes = os.path.join(dest, "bpe.codes")
+    codes = io.StringIO()
     train_text = tokenised["train"][0] + tokenised["train"][1]
-    with open(codes, "w", encoding="utf-8") as out:
-        if sys.stderr.isatty():  # subword-nmt draws its own bar
-            learn_bpe(train_text, out, bpe_merges)
-        else:
-            with Progress(f"learn joint BPE on train.{source_lang} + train.{target_lang}",
-                          bpe_merges, "merges") as shown:
-                learn_bpe(train_text, CountingMerges(out, shown), bpe_merges)
-    with open(codes, encoding="utf-8") as f:
-        bpe = BPE(f)
+    if sys.stderr.isatty():  # subword-nmt draws its own bar
+        learn_bpe(train_text, codes, bpe_merges)
+    else:
+        with Progress(f"learn joint BPE on train.{source_lang} + train.{target_lang}",
+                      bpe_merges, "merges") as shown:
+            learn_bpe(train_text, CountingMerges(codes, shown), bpe_merges)
+    if codes.getvalue().count("\n") < 2:  # "#version: 0.2" and no merge
+        raise PrepareError(f"no pair of symbols occurs twice in train.{source_lang} + "
+                           f"train.{target_lang}, so BPE learnt no merge: give more text")
+
+    if replace:  # only once the input is known to be good
+        shutil.rmtree(dest)
+    text, raw = os.path.join(dest, "text"), os.path.join(dest, "raw")
+    os.makedirs(text)
+    os.makedirs(raw)
+    # raw valid/test text: the references for detokenised sacreBLEU
+    for split in ("valid", "test"):
+        for lang, lines in zip(langs, data[split]):
+            with open(os.path.join(raw, f"{split}.{lang}"), "w", encoding="utf-8") as f:
+                f.writelines(line + "\n" for line in lines)
+    with open(os.path.join(dest, "bpe.codes"), "w", encoding="utf-8") as f:
+        f.write(codes.getvalue())
+    codes.seek(0)
+    bpe = BPE(codes)
     for split, sides in tokenised.items():
         for lang, lines in zip(langs, sides):
             with open(os.path.join(text, f"{split}.{lang}"), "w", encoding="utf-8") as f:
