@@ -28,7 +28,7 @@ TORCH310 ?= torch==2.1.2 torchaudio==2.1.2 numpy<2
 LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= PIP="pip<24.1"
 TESTS310 ?= tests
 
-.PHONY: demo demo-reverse test test-main test-fairseq-0.12.2 test-gpu install install310 clean FORCE
+.PHONY: demo demo-reverse test test-main test-fairseq-0.12.2 test-gpu install install310 clean clean-work FORCE
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -81,7 +81,12 @@ test-fairseq-0.12.2:
 test-gpu: install
 	$(PY) -m pytest -q -m cuda -rs tests
 
+# the environments and build outputs; trained models and prepared data stay (make clean-work)
 clean:
-	rm -rf $(VENV) $(VENV310) $(WORK) build *.egg-info
+	rm -rf $(VENV) $(VENV310) build *.egg-info
+
+# WORK: the demos' and examples/multi30k's data, checkpoints and logs
+clean-work:
+	rm -rf $(WORK)
 
 FORCE:

@@ -46,7 +46,15 @@ def main(argv=None):
     p.add_argument("--python-version", default="3.12", help="the node's Python, e.g. 3.12")
     p.add_argument("--with", dest="extra", nargs="+", default=[], metavar="REQUIREMENT",
                    help="more packages the node lacks, with what they need (e.g. scikit-learn)")
+    p.add_argument("--force", action="store_true",
+                   help="remove the wheels already in DEST first (a rebuild)")
     args = p.parse_args(argv)
+    earlier = sorted(glob.glob(os.path.join(args.dest, "*.whl")))
+    if earlier and not args.force:  # two versions of a package would make pip refuse them all
+        p.error(f"{args.dest} already holds {len(earlier)} wheels; pass --force to replace them, "
+                f"or give a new DEST")
+    for wheel in earlier:
+        os.remove(wheel)
     os.makedirs(args.dest, exist_ok=True)
     platform = [f for name in PLATFORMS for f in ("--platform", name)]
     for_node = ["--only-binary=:all:", "--python-version", args.python_version,

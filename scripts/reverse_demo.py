@@ -8,10 +8,30 @@ Every command is printed before it runs; full logs go to WORK_DIR/*.log.
 
 import argparse
 import os
+import shutil
 import time
 
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.cli.common import fairseq_cli, fairseq_validation, run
+from fairseq_plugin.errors import PluginError
+
+MARKER = ".reverse-demo"  # in WORK_DIR: an earlier run of this demo made what is there
+
+
+def fresh_work_dir(work_dir):
+    """Start afresh: an earlier run's outputs (WORK_DIR holds the marker) are replaced, as
+    fairseq-preprocess refuses existing dictionaries and fairseq-train would resume its
+    checkpoint; any other non-empty WORK_DIR is refused."""
+    if os.path.exists(work_dir) and not os.path.isdir(work_dir):
+        raise PluginError(f"--work-dir {work_dir} is a file; give a directory")
+    if os.path.isdir(work_dir) and os.listdir(work_dir):
+        if not os.path.exists(os.path.join(work_dir, MARKER)):
+            raise PluginError(f"{work_dir} is not empty and no earlier run of this demo made it; "
+                              f"choose another --work-dir (or delete it)")
+        print(f"(starting afresh: replacing the earlier run's outputs in {work_dir})", flush=True)
+        shutil.rmtree(work_dir)
+    os.makedirs(work_dir, exist_ok=True)
+    open(os.path.join(work_dir, MARKER), "w").close()
 
 
 def main(argv=None):
@@ -21,10 +41,13 @@ def main(argv=None):
     p.add_argument("--train-size", type=int, default=20000)
     p.add_argument("--examples", type=int, default=5, help="examples to print")
     args = p.parse_args(argv)
+    for flag, value in (("--epochs", args.epochs), ("--train-size", args.train_size)):
+        if value < 1:
+            p.error(f"{flag} {value}: give at least 1")
 
     w = os.path.abspath(args.work_dir)
     raw, data_bin, ckpt = (os.path.join(w, d) for d in ("raw", "data-bin", "checkpoints"))
-    os.makedirs(w, exist_ok=True)
+    fresh_work_dir(w)  # a PluginError is printed in one line (fairseq_plugin.errors)
     start = time.time()
 
     print(f"[1/4] generating the reverse task in {raw}", flush=True)

@@ -9,6 +9,7 @@ Every command is printed; full logs go to WORK_DIR/*.log.
 
 import argparse
 import os
+import shutil
 import time
 
 from fairseq_plugin.cli import evaluate as evaluate_bleu
@@ -29,14 +30,16 @@ TRAINING = ["--criterion", "annotated_label_smoothing", "--label-smoothing", "0.
             "--lr-scheduler", "noam", "--warmup-updates", "300", "--noam-factor", "1",
             "--max-tokens", "4096"]
 BPE_MERGES = 6000
+BUNDLED_PAIRS = {"train": 60000, "valid": 1000, "test": 1000}  # examples/tatoeba/data
 
 
 MARKER = ".translation-demo"  # in WORK_DIR: the demo made what is there, also half-way
 
 
 def check_work_dir(work_dir):
-    """The demo replaces WORK_DIR/data-bin only where an earlier run of it made the folder:
-    WORK_DIR holds the demo's marker, or the data-bin is the demo's finished preparation."""
+    """The demo replaces WORK_DIR/data-bin (and starts its checkpoints afresh) only where an
+    earlier run of it made the folder: WORK_DIR holds the demo's marker, or the data-bin is the
+    demo's finished preparation (its languages, merges and numbers of pairs)."""
     data_bin = os.path.join(work_dir, "data-bin")
     if not os.path.isdir(data_bin) or not os.listdir(data_bin):
         return
@@ -45,7 +48,8 @@ def check_work_dir(work_dir):
     try:
         settings = prepared_settings(data_bin)
         ours = (settings.get("source_lang"), settings.get("target_lang"),
-                settings.get("bpe_merges")) == ("de", "en", BPE_MERGES)
+                settings.get("bpe_merges"), settings.get("splits")) == (
+            "de", "en", BPE_MERGES, BUNDLED_PAIRS)
     except (PluginError, ValueError):
         ours = False
     if not ours:
@@ -59,10 +63,12 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--examples", type=int, default=6)
     args = p.parse_args(argv)
+    if args.epochs < 1:
+        p.error(f"--epochs {args.epochs}: train at least 1 epoch")
 
     w = os.path.abspath(args.work_dir)
     data_bin, ckpt = os.path.join(w, "data-bin"), os.path.join(w, "checkpoints")
-    check_work_dir(w)
+    check_work_dir(w)  # a PluginError is printed in one line (fairseq_plugin.errors)
     os.makedirs(w, exist_ok=True)
     open(os.path.join(w, MARKER), "w").close()
     start = time.time()
@@ -73,6 +79,9 @@ def main(argv=None):
         {"train": "train", "valid": "valid", "test": "test"}, bpe_merges=BPE_MERGES, force=True)
 
     print(f"[2/3] fairseq-train, {args.epochs} epochs", flush=True)
+    if os.path.isdir(ckpt):  # fairseq-train would resume an earlier run's checkpoint_last.pt
+        print(f"  (starting afresh: replacing the earlier run's {ckpt})", flush=True)
+        shutil.rmtree(ckpt)
     run([fairseq_cli("fairseq-train"), data_bin, "--user-dir", plugin_dir(), *MODEL, *TRAINING,
          "--max-epoch", args.epochs, "--seed", "1", "--save-dir", ckpt, "--no-epoch-checkpoints",
          "--cpu", "--log-format", "simple", "--log-interval", "20"],

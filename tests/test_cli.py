@@ -464,3 +464,24 @@ def test_fairseq_clis_are_found_next_to_python_or_else_on_path(tmp_path, monkeyp
     assert fairseq_cli("fairseq-train") == str(scripts / "fairseq-train")
     with pytest.raises(PluginError, match="fairseq-generate is neither next to .* nor on PATH"):
         fairseq_cli("fairseq-generate")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--train", "0"], "--train 0: give at least 1 pair"),
+    (["--test", "-5"], "--test -5: give at least 1 pair"),
+    (["--vocab", "0"], "--vocab must be between 1 and"),
+    (["--min-len", "5", "--max-len", "4"], "need 1 <= --min-len <= --max-len")])
+def test_the_reverse_data_generator_refuses_sizes_it_cannot_write(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        reverse_task.main([str(tmp_path / "raw"), *args])
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "raw").exists()
+
+
+def test_the_reverse_data_generator_refuses_a_file_as_its_directory(tmp_path, capsys):
+    (tmp_path / "raw").write_text("mine")
+    with pytest.raises(SystemExit):
+        reverse_task.main([str(tmp_path / "raw")])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"error: {tmp_path}/raw is a file; give a directory for the data")
+    assert (tmp_path / "raw").read_text() == "mine"

@@ -89,6 +89,24 @@ def test_a_failing_rank_stops_the_others_and_the_launch_fails(tmp_path, capfd):
     assert "a rank exited with status 3; stopping the others" in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("environment, threads, expected", [
+    (None, None, str(max(1, (os.cpu_count() or 1) // 2))),  # the cores shared by the 2 ranks
+    ("5", None, "5"),                                       # the user's OMP_NUM_THREADS
+    ("5", 3, "3")])                                         # an explicit --threads wins
+def test_each_rank_gets_the_threads_asked_for(environment, threads, expected, tmp_path,
+                                              monkeypatch):
+    if environment is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", environment)
+    child = ("import os, sys; rank = sys.argv[sys.argv.index('--distributed-rank') + 1]; "
+             f"open(os.path.join({str(tmp_path)!r}, 'threads' + rank), 'w')"
+             ".write(os.environ['OMP_NUM_THREADS'])")
+    assert launch_cpu_ranks.launch([sys.executable, "-c", child], nprocs=2,
+                                   log_dir=str(tmp_path), threads=threads) == 0
+    assert [(tmp_path / f"threads{rank}").read_text() for rank in (0, 1)] == [expected] * 2
+
+
 def test_the_launcher_has_help_and_names_a_missing_command_in_one_line(capsys):
     with pytest.raises(SystemExit) as help_exit:
         launch_cpu_ranks.main(["--help"])

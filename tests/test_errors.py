@@ -131,3 +131,20 @@ def test_a_misspelled_name_gets_the_closest_known_one_else_where_the_names_are_l
     assert spelling_hint("xyz", known, "the README's Flags section") == (
         "check its spelling (the README's Flags section lists the options)")
     assert spelling_hint("xyz", known) == "check its spelling"
+
+
+def test_the_wheelhouse_script_refuses_to_mix_new_wheels_with_earlier_ones(tmp_path, capsys):
+    """Two versions of one package in the wheelhouse would make pip refuse them all on the node."""
+    import runpy
+
+    from conftest import REPO
+
+    earlier = tmp_path / "sacrebleu-2.0.0-py3-none-any.whl"
+    earlier.write_text("an earlier build")
+    main = runpy.run_path(os.path.join(REPO, "scripts", "make_wheelhouse.py"))["main"]
+    with pytest.raises(SystemExit):
+        main([str(tmp_path)])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"error: {tmp_path} already holds 1 wheels; pass --force to replace them, or give a new "
+        f"DEST")
+    assert earlier.read_text() == "an earlier build"

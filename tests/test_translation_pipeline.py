@@ -5,9 +5,11 @@ import contextlib
 import gzip
 import io
 import json
+import math
 import os
 import re
 import runpy
+import sys
 
 import pytest
 import torch
@@ -362,10 +364,14 @@ def test_python_api_translates_like_fairseq_generate(prepared, trained):
     hyps, settings = evaluate_bleu.generate_detokenised(str(w / "bin"),
                                                         str(ckpt / "checkpoint_last.pt"))
     sources = (w / "bin" / "raw" / "test.de").read_text(encoding="utf-8").splitlines()
-    different = list({hyps[i]: i for i in range(len(sources))}.values())[:3]  # unlike outputs
-    assert len(different) == 3
-    for i in different:
+    scores = {int(line.split("\t")[0][2:]): float(line.split("\t")[1])  # base 2, as printed
+              for line in (ckpt / "generate-test.txt").read_text().splitlines()
+              if line.startswith("H-")}
+    by_length = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    for i in (by_length[0], by_length[len(by_length) // 2], by_length[-1]):
         assert hub.translate(sources[i], beam=5) == hyps[i]
+        best = hub.generate([hub.encode(sources[i])], beam=5)[0][0]
+        assert best["score"].item() / math.log(2) == pytest.approx(scores[i], abs=1e-4)
 
 
 def test_iwslt14_files_become_train_valid_test(tmp_path):
@@ -451,8 +457,27 @@ def test_heatmaps_refuse_a_missing_checkpoint_an_empty_sentence_and_absent_layer
     assert not (tmp_path / "maps").exists()
 
 
+def test_heatmaps_refuse_fairseqs_transformer_and_a_missing_matplotlib(prepared, trained, tmp_path,
+                                                                      monkeypatch, capsys):
+    from fairseq_plugin import export
+
+    w, _ = prepared
+    _, ckpt = trained
+    exported = tmp_path / "transformer.pt"
+    export.export(str(ckpt / "checkpoint_last.pt"), str(exported), str(w / "bin"))
+    with pytest.raises(PluginError, match="transformer.pt holds a TransformerModel: the heat-maps "
+                                          "record this plugin's attention; give an "
+                                          "annotated_transformer checkpoint"):
+        heatmaps.load_hub(str(w / "bin"), str(exported))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    with pytest.raises(SystemExit, match="annotated-attention-heatmaps: error: drawing the "
+                                         "heat-maps needs matplotlib: pip install matplotlib"):
+        heatmaps.main([str(w / "bin"), str(ckpt / "checkpoint_last.pt"), "Hallo.",
+                       "--out-dir", str(tmp_path / "maps")])
+    assert not (tmp_path / "maps").exists()
+
+
 def test_the_demo_goes_on_only_over_a_data_bin_an_earlier_demo_made(tmp_path):
-    import runpy
 
     demo = runpy.run_path(os.path.join(REPO, "scripts", "translation_demo.py"))
     data_bin = tmp_path / "work" / "data-bin"
@@ -461,13 +486,65 @@ def test_the_demo_goes_on_only_over_a_data_bin_an_earlier_demo_made(tmp_path):
     with pytest.raises(PluginError, match="holds something other than this demo's data"):
         demo["main"](["--work-dir", str(tmp_path / "work")])
     assert (data_bin / "notes.txt").read_text() == "mine"
+    # another corpus prepared with the demo's languages and merges: refused
+    settings = {"source_lang": "de", "target_lang": "en", "bpe_merges": demo["BPE_MERGES"],
+                "splits": {"train": 5000, "valid": 1000, "test": 1000}}
+    (data_bin / "prepare.json").write_text(json.dumps(settings))
+    with pytest.raises(PluginError, match="holds something other than this demo's data"):
+        demo["check_work_dir"](str(tmp_path / "work"))
     # an earlier demo's finished preparation, or its marker (a run stopped half-way): replaced
-    (data_bin / "prepare.json").write_text(json.dumps(
-        {"source_lang": "de", "target_lang": "en", "bpe_merges": demo["BPE_MERGES"]}))
+    settings["splits"] = {split: sum(1 for _ in gzip.open(os.path.join(BUNDLED, f"{split}.en.gz")))
+                          for split in ("train", "valid", "test")}
+    assert settings["splits"] == demo["BUNDLED_PAIRS"]
+    (data_bin / "prepare.json").write_text(json.dumps(settings))
     demo["check_work_dir"](str(tmp_path / "work"))
     (data_bin / "prepare.json").unlink()
     (tmp_path / "work" / demo["MARKER"]).touch()
     demo["check_work_dir"](str(tmp_path / "work"))
+
+
+class StopAtTraining(Exception):
+    pass
+
+
+def test_a_second_run_of_the_demos_trains_afresh_instead_of_resuming(tmp_path, monkeypatch):
+    """fairseq-train resumes WORK_DIR/checkpoints/checkpoint_last.pt on its own: the demos remove
+    an earlier run's checkpoints before training (and the reverse demo its whole output, as
+    fairseq-preprocess refuses existing dictionaries)."""
+    from fairseq_plugin.cli import reverse_task
+
+    for script, train_step in (("translation_demo.py", "fairseq-train"),
+                               ("reverse_demo.py", "fairseq-preprocess")):
+        main = runpy.run_path(os.path.join(REPO, "scripts", script))["main"]
+        work = tmp_path / script
+        checkpoints = work / "checkpoints"
+        checkpoints.mkdir(parents=True)
+        (checkpoints / "checkpoint_last.pt").write_text("an earlier run's")
+        (work / main.__globals__["MARKER"]).touch()
+        seen = []
+
+        def run(cmd, *args, **kwargs):
+            if os.path.basename(str(cmd[0])) == train_step:
+                seen.append(sorted(os.listdir(checkpoints)) if checkpoints.exists() else [])
+                raise StopAtTraining
+        monkeypatch.setitem(main.__globals__, "run", run)
+        monkeypatch.setattr(prepare_translation, "prepare", lambda *args, **kwargs: None)
+        monkeypatch.setattr(reverse_task, "main", lambda argv: None)
+        with pytest.raises(StopAtTraining):
+            main(["--work-dir", str(work)])
+        assert seen == [[]], script
+
+
+def test_the_reverse_demo_refuses_a_work_dir_it_did_not_make_and_bad_sizes(tmp_path):
+    main = runpy.run_path(os.path.join(REPO, "scripts", "reverse_demo.py"))["main"]
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(PluginError, match="is not empty and no earlier run of this demo made it"):
+        main(["--work-dir", str(tmp_path)])
+    assert os.listdir(tmp_path) == ["notes.txt"]
+    for flag in ("--epochs", "--train-size"):
+        with pytest.raises(SystemExit):
+            main(["--work-dir", str(tmp_path / "new"), flag, "0"])
+    assert not (tmp_path / "new").exists()
 
 
 def test_no_valid_or_test_sentence_of_the_bundled_sample_occurs_in_its_training_data():

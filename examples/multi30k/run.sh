@@ -11,7 +11,8 @@
 # Environment: ARCH (annotated_transformer), EPOCHS (20), LENPEN (1.6, chosen on valid),
 # WORK (work/multi30k), THREADS (torch threads; default all cores), PYTHON (.venv/bin/python),
 # BIN (where the fairseq-* and annotated-* commands are; default: beside PYTHON),
-# DEVICE (cpu, or gpu: GPU 0 in PRECISION, fp16 by default, or bf16 / amp / fp32).
+# DEVICE (cpu, or gpu: GPU 0, or the GPUs CUDA_VISIBLE_DEVICES names, in PRECISION, fp16 by
+# default, or bf16 / amp / fp32).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -19,20 +20,24 @@ BIN=${BIN:-$(dirname "$PYTHON")}
 ARCH=${ARCH:-annotated_transformer}
 EPOCHS=${EPOCHS:-20}
 LENPEN=${LENPEN:-1.6}
+if ! [[ "$EPOCHS" =~ ^[0-9]+$ ]] || [ $((10#$EPOCHS)) -lt 1 ]; then
+  echo "run.sh: error: EPOCHS=$EPOCHS; give a number of epochs >= 1" >&2; exit 2
+fi
 WORK=${WORK:-work/multi30k}
 DATA=$WORK/data-bin
 CKPT=$WORK/$ARCH
 [ -n "${THREADS:-}" ] && export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 case "${DEVICE:-cpu}" in
   cpu) DEVICE_FLAGS=(--max-tokens 4096 --cpu) ;;
-  gpu) PRECISION=${PRECISION:-fp16}
+  gpu) export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # fairseq takes every GPU it sees
+       PRECISION=${PRECISION:-fp16}
        DEVICE_FLAGS=(--max-tokens 8192)
        [ "$PRECISION" = fp32 ] || DEVICE_FLAGS+=("--$PRECISION") ;;
   *) echo "run.sh: error: DEVICE=$DEVICE; use DEVICE=cpu or DEVICE=gpu" >&2; exit 2 ;;
 esac
 
 if [ ! -f "$DATA/prepare.json" ]; then
-  $BIN/annotated-prepare --corpus multi30k ${RAW_DIR:+--raw-dir "$RAW_DIR"} \
+  "$BIN/annotated-prepare" --corpus multi30k ${RAW_DIR:+--raw-dir "$RAW_DIR"} \
       --dest "$DATA" --bpe-merges 8000
 fi
 
@@ -48,7 +53,7 @@ fi
 mkdir -p "$CKPT"
 # unbuffered: through a pipe, fairseq-train's lines would otherwise come minutes late; the last
 # filter adds the time left after each interval line
-PYTHONUNBUFFERED=1 $BIN/fairseq-train "$DATA" --user-dir fairseq_plugin --arch "$ARCH" \
+PYTHONUNBUFFERED=1 "$BIN/fairseq-train" "$DATA" --user-dir fairseq_plugin --arch "$ARCH" \
     --encoder-layers 3 --decoder-layers 3 --encoder-embed-dim 256 --decoder-embed-dim 256 \
     --encoder-ffn-embed-dim 512 --decoder-ffn-embed-dim 512 \
     --encoder-attention-heads 8 --decoder-attention-heads 8 \
@@ -57,13 +62,13 @@ PYTHONUNBUFFERED=1 $BIN/fairseq-train "$DATA" --user-dir fairseq_plugin --arch "
     --optimizer adam --adam-betas '(0.9, 0.98)' --adam-eps 1e-9 --clip-norm 0.0 "${SCHEDULE[@]}" \
     "${DEVICE_FLAGS[@]}" --max-epoch "$EPOCHS" --seed 1 \
     --save-dir "$CKPT" --keep-last-epochs 5 --log-format simple --log-interval 100 \
-    2>&1 | tee "$CKPT/train.log" | "$PYTHON" -m fairseq_plugin.cli.follow --epochs "$EPOCHS"
+    2>&1 | tee -a "$CKPT/train.log" | "$PYTHON" -m fairseq_plugin.cli.follow --epochs "$EPOCHS"
 
 LAST=$(( EPOCHS < 5 ? EPOCHS : 5 ))  # fairseq keeps the last 5 epoch checkpoints
-$BIN/annotated-average-checkpoints --inputs "$CKPT" --num-epoch-checkpoints $LAST \
+"$BIN/annotated-average-checkpoints" --inputs "$CKPT" --num-epoch-checkpoints $LAST \
     --output "$CKPT/average_last$LAST.pt" --force
 for ckpt in checkpoint_last.pt average_last$LAST.pt; do
   echo "== $ARCH $ckpt"
-  $BIN/annotated-evaluate-bleu "$DATA" "$CKPT/$ckpt" --beam 5 --lenpen "$LENPEN" --examples 0 \
+  "$BIN/annotated-evaluate-bleu" "$DATA" "$CKPT/$ckpt" --beam 5 --lenpen "$LENPEN" --examples 0 \
       --output "$CKPT/${ckpt%.pt}.test2016.en" | tee "$CKPT/${ckpt%.pt}.bleu"
 done

@@ -28,11 +28,24 @@ def load_hub(data_bin, checkpoint):
 
     settings = prepared_settings(data_bin)
     check_checkpoint(checkpoint)
-    return AnnotatedTransformerModel.from_pretrained(
+    hub = AnnotatedTransformerModel.from_pretrained(
         os.path.dirname(os.path.abspath(checkpoint)), checkpoint_file=os.path.basename(checkpoint),
         data_name_or_path=os.path.abspath(data_bin), bpe=settings["bpe"],
         bpe_codes=os.path.join(data_bin, settings["bpe_codes"]), tokenizer=settings["tokenizer"],
         source_lang=settings["source_lang"], target_lang=settings["target_lang"])
+    if not isinstance(hub.models[0], AnnotatedTransformerModel):
+        raise PluginError(f"{checkpoint} holds a {type(hub.models[0]).__name__}: the heat-maps "
+                          f"record this plugin's attention; give an annotated_transformer "
+                          f"checkpoint")
+    return hub
+
+
+def require_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PluginError("drawing the heat-maps needs matplotlib: pip install matplotlib (or "
+                          "this package's viz extra)")
 
 
 def attention_maps(hub, sentence, beam=5, **generation):
@@ -129,6 +142,7 @@ def main(argv=None):
     try:
         if not args.sentence.strip():
             raise PluginError("the sentence is empty; give the text to translate in quotes")
+        require_matplotlib()  # before the model loads and translates
         hub = load_hub(args.data_bin, args.checkpoint)
         model = hub.models[0]
         stacks = (model.encoder.layers, model.decoder.layers)

@@ -45,8 +45,11 @@ def launch(command, nprocs, log_dir, port=None, threads=None, cpu=True, ddp_back
     port = port or free_port()
     os.makedirs(log_dir, exist_ok=True)
     env = dict(os.environ)
-    # share the cores between the ranks instead of oversubscribing them
-    env.setdefault("OMP_NUM_THREADS", str(threads or max(1, (os.cpu_count() or 1) // nprocs)))
+    # share the cores between the ranks instead of oversubscribing them (an explicit --threads
+    # wins over OMP_NUM_THREADS in the environment, which wins over the default)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
     procs, logs = [], []
     for rank in range(nprocs):
         out = None
@@ -95,6 +98,8 @@ def main(argv=None):
                 "fairseq-train DATA --arch ...")
     if args.nprocs < 1:
         p.error("--nprocs must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads {args.threads}: give at least 1 thread per rank")
     if shutil.which(command[0]) is None:
         p.error(f"{command[0]}: no such command; check its spelling (e.g. fairseq-train) and "
                 f"that its environment is active")

@@ -82,6 +82,11 @@ def main(argv=None):
         p.error(f"--vocab must be between 1 and {len(ALPHABET)}")
     if not 1 <= args.min_len <= args.max_len:
         p.error("need 1 <= --min-len <= --max-len")
+    for split in ("train", "valid", "test"):
+        if getattr(args, split) < 1:
+            p.error(f"--{split} {getattr(args, split)}: give at least 1 pair")
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        p.error(f"{args.out_dir} is a file; give a directory for the data")
     os.makedirs(args.out_dir, exist_ok=True)
     rng = random.Random(args.seed)
     for split in ("train", "valid", "test"):
