@@ -62,6 +62,7 @@ def test_prepare_shows_each_step_of_its_work_in_a_log(prepared):
                  for split, n in (("train", 3000), ("valid", 60), ("test", 60))
                  for lang in ("de", "en")] + ["learn joint BPE on train.de + train.en: 500 merges in "]:
         assert any(line.startswith(step) for line in lines), step
+    assert b"\r" not in (w / "prepare.stderr").read_bytes()  # no bar drawn into the log
     binarised = [line for line in lines if line.startswith("  fairseq-preprocess [")]
     assert len(binarised) == 6 and "train.de: 3000 sents" in binarised[0]
 

@@ -24,6 +24,7 @@ import re
 import shutil
 import sys
 import urllib.request
+from unittest import mock
 
 from ..errors import PluginError, exit_in_one_line
 from .common import Progress, fairseq_cli, progress, run
@@ -264,9 +265,11 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
     train_text = tokenised["train"][0] + tokenised["train"][1]
     if sys.stderr.isatty():  # subword-nmt draws its own bar
         learn_bpe(train_text, codes, bpe_merges)
-    else:
+    else:  # our lines instead of its bar (one line of carriage returns in a log)
+        without_bar = lambda iterable, *args, **kwargs: iterable  # noqa: E731
         with Progress(f"learn joint BPE on train.{source_lang} + train.{target_lang}",
-                      bpe_merges, "merges") as shown:
+                      bpe_merges, "merges") as shown, \
+                mock.patch.object(sys.modules[learn_bpe.__module__], "tqdm", without_bar):
             learn_bpe(train_text, CountingMerges(codes, shown), bpe_merges)
     if codes.getvalue().count("\n") < 2:  # "#version: 0.2" and no merge
         raise PrepareError(f"no pair of symbols occurs twice in train.{source_lang} + "
