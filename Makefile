@@ -13,7 +13,9 @@ TORCH_INDEX ?=
 PIP ?= pip
 VENV ?= .venv
 PY := $(VENV)/bin/python
-WORK ?= work
+# the demos' outputs (make demo WORK=dir); not taken from the environment, where HPC sites set
+# $WORK to a whole filesystem (make clean-work deletes it)
+WORK = work
 
 # The second test lane: the official fairseq 0.12.2 (what most fairseq users have) on Python 3.10
 # with the lowest torch setup.py admits. fairseq 0.12.2 installs only with pip < 24.1 (pip >= 24.1

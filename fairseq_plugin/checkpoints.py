@@ -32,6 +32,7 @@ import torch
 from fairseq import checkpoint_utils
 
 from .errors import PluginError
+from .torch_release import TORCH_RELEASE
 
 # torch >= 2.4 (the allowlist came in 2.4, the weights_only default in 2.6)
 HAS_ALLOWLIST = hasattr(torch.serialization, "add_safe_globals")
@@ -51,7 +52,7 @@ def numeric_numpy_array_globals() -> list:
     rebuild = np.ndarray(0).__reduce__()[0]  # numpy._core.multiarray._reconstruct
     entries = [rebuild, np.ndarray, np.dtype] + [type(np.dtype(t)) for t in numeric]
     numpy_1_name = "numpy.core.multiarray._reconstruct"
-    if f"{rebuild.__module__}.{rebuild.__name__}" != numpy_1_name and torch.__version__ >= (2, 6):
+    if f"{rebuild.__module__}.{rebuild.__name__}" != numpy_1_name and TORCH_RELEASE >= (2, 6):
         entries.append((rebuild, numpy_1_name))  # torch >= 2.6 takes (global, name)
     return entries
 

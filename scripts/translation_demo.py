@@ -37,14 +37,16 @@ MARKER = ".translation-demo"  # in WORK_DIR: the demo made what is there, also h
 
 
 def check_work_dir(work_dir):
-    """The demo replaces WORK_DIR/data-bin (and starts its checkpoints afresh) only where an
-    earlier run of it made the folder: WORK_DIR holds the demo's marker, or the data-bin is the
+    """The demo replaces WORK_DIR/data-bin and WORK_DIR/checkpoints only where an earlier run of
+    it made the folder: WORK_DIR is new or empty, holds the demo's marker, or its data-bin is the
     demo's finished preparation (its languages, merges and numbers of pairs)."""
-    data_bin = os.path.join(work_dir, "data-bin")
-    if not os.path.isdir(data_bin) or not os.listdir(data_bin):
+    if os.path.exists(work_dir) and not os.path.isdir(work_dir):
+        raise PluginError(f"--work-dir {work_dir} is a file; give a directory")
+    if not os.path.isdir(work_dir) or not os.listdir(work_dir):
         return
     if os.path.exists(os.path.join(work_dir, MARKER)):
         return
+    data_bin = os.path.join(work_dir, "data-bin")
     try:
         settings = prepared_settings(data_bin)
         ours = (settings.get("source_lang"), settings.get("target_lang"),
@@ -53,8 +55,8 @@ def check_work_dir(work_dir):
     except (PluginError, ValueError):
         ours = False
     if not ours:
-        raise PluginError(f"{data_bin} holds something other than this demo's data, which the "
-                          f"demo would replace; choose another --work-dir")
+        raise PluginError(f"{work_dir} is not empty and no earlier run of this demo made it (the "
+                          f"demo replaces its data-bin and checkpoints); choose another --work-dir")
 
 
 def main(argv=None):

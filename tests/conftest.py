@@ -12,6 +12,7 @@ import fairseq
 import fairseq_plugin
 from fairseq.data import Dictionary
 from fairseq_plugin.cli import reverse_task
+from fairseq_plugin.torch_release import TORCH_RELEASE
 from fairseq.models import MODEL_REGISTRY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +65,7 @@ def _cpu_multiplies(dtype) -> bool:
 # on a torch older than 2.2 that lacks the product (from 2.2 on, a failure is a failure)
 CPU_HALF_DTYPES = [
     pytest.param(dtype, marks=pytest.mark.skipif(
-        torch.__version__ < (2, 2) and not _cpu_multiplies(dtype),
+        TORCH_RELEASE < (2, 2) and not _cpu_multiplies(dtype),
         reason=f"this torch has no {dtype} matrix product on the CPU"))
     for dtype in (torch.float16, torch.bfloat16)]
 

@@ -10,6 +10,7 @@ import torch
 from fairseq import checkpoint_utils
 
 from fairseq_plugin.errors import TRACEBACK_VARIABLE, PluginError, one_line_error, spelling_hint
+from fairseq_plugin.torch_release import TORCH_RELEASE, release
 from conftest import assert_one_line_error, cli
 
 RAISE = ("import fairseq_plugin\n"
@@ -113,7 +114,7 @@ def test_a_checkpoint_torch_reads_but_fairseq_cannot_use_is_not_called_damaged(t
     assert isinstance(error, KeyError) and not isinstance(error, PluginError)  # fairseq's own
 
 
-@pytest.mark.skipif(torch.__version__ < (2, 6), reason="torch < 2.6 loads checkpoints without "
+@pytest.mark.skipif(TORCH_RELEASE < (2, 6), reason="torch < 2.6 loads checkpoints without "
                                                      "weights_only by default: nothing refuses")
 @pytest.mark.parametrize("zip_format", [True, False])
 def test_a_checkpoint_refused_by_weights_only_is_not_called_damaged(tmp_path, zip_format):
@@ -148,3 +149,10 @@ def test_the_wheelhouse_script_refuses_to_mix_new_wheels_with_earlier_ones(tmp_p
         f"error: {tmp_path} already holds 1 wheels; pass --force to replace them, or give a new "
         f"DEST")
     assert earlier.read_text() == "an earlier build"
+
+
+@pytest.mark.parametrize("version, expected", [
+    ("2.13.0+cpu", (2, 13)), ("2.1.2", (2, 1)), ("2.6.0a0+ecf3bae40a", (2, 6))])
+def test_a_torch_pre_release_counts_as_the_release_it_implements(version, expected):
+    """NVIDIA's containers ship torch "2.6.0a0+..." builds, which have torch 2.6's features."""
+    assert release(version) == expected

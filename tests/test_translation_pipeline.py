@@ -129,14 +129,27 @@ def test_prepare_refuses_missing_and_empty_input_and_a_non_empty_destination(tmp
         prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "b"), "de", "en", splits)
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "keep.txt").write_text("mine")
-    with pytest.raises(prepare_translation.PrepareError, match="not empty.*--force"):
-        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "c"), "de", "en", splits)
+    for force in (False, True):  # a folder of other files is never replaced
+        with pytest.raises(prepare_translation.PrepareError,
+                           match="is not empty and holds no earlier preparation .*not even with "
+                                 "--force; choose another --dest"):
+            prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "c"), "de", "en",
+                                        splits, force=force)
     assert (tmp_path / "c" / "keep.txt").read_text() == "mine"
+    (tmp_path / "c" / "prepare.json").write_text("{}")  # an earlier preparation
+    with pytest.raises(prepare_translation.PrepareError,
+                       match="holds an earlier preparation; pass --force to replace it"):
+        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "c"), "de", "en", splits)
     # --force replaces it only once the input is good: here test.* are still empty
     with pytest.raises(prepare_translation.PrepareError, match="are empty"):
         prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "c"), "de", "en", splits,
                                     force=True)
     assert (tmp_path / "c" / "keep.txt").read_text() == "mine"
+    os.symlink(tmp_path / "c", tmp_path / "link")
+    with pytest.raises(prepare_translation.PrepareError,
+                       match="--dest .*link is a symbolic link; give the directory it points to"):
+        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "link"), "de", "en",
+                                    splits, force=True)
 
 
 def test_prepare_refuses_text_that_is_not_utf8_and_too_few_merges(tmp_path):
@@ -484,14 +497,21 @@ def test_the_demo_goes_on_only_over_a_data_bin_an_earlier_demo_made(tmp_path):
     data_bin = tmp_path / "work" / "data-bin"
     data_bin.mkdir(parents=True)
     (data_bin / "notes.txt").write_text("mine")
-    with pytest.raises(PluginError, match="holds something other than this demo's data"):
+    not_ours = "is not empty and no earlier run of this demo made it"
+    with pytest.raises(PluginError, match=not_ours):
         demo["main"](["--work-dir", str(tmp_path / "work")])
     assert (data_bin / "notes.txt").read_text() == "mine"
+    # someone's fairseq-train --save-dir checkpoints in the folder: refused, kept
+    (tmp_path / "mine" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "mine" / "checkpoints" / "checkpoint_last.pt").write_text("mine")
+    with pytest.raises(PluginError, match=not_ours):
+        demo["main"](["--work-dir", str(tmp_path / "mine")])
+    assert os.listdir(tmp_path / "mine") == ["checkpoints"]
     # another corpus prepared with the demo's languages and merges: refused
     settings = {"source_lang": "de", "target_lang": "en", "bpe_merges": demo["BPE_MERGES"],
                 "splits": {"train": 5000, "valid": 1000, "test": 1000}}
     (data_bin / "prepare.json").write_text(json.dumps(settings))
-    with pytest.raises(PluginError, match="holds something other than this demo's data"):
+    with pytest.raises(PluginError, match=not_ours):
         demo["check_work_dir"](str(tmp_path / "work"))
     # an earlier demo's finished preparation, or its marker (a run stopped half-way): replaced
     settings["splits"] = {split: sum(1 for _ in gzip.open(os.path.join(BUNDLED, f"{split}.en.gz")))

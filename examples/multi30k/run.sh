@@ -23,6 +23,7 @@ LENPEN=${LENPEN:-1.6}
 if ! [[ "$EPOCHS" =~ ^[0-9]+$ ]] || [ $((10#$EPOCHS)) -lt 1 ]; then
   echo "run.sh: error: EPOCHS=$EPOCHS; give a number of epochs >= 1" >&2; exit 2
 fi
+EPOCHS=$((10#$EPOCHS))  # 08 is 8, not an octal error later
 WORK=${WORK:-work/multi30k}
 DATA=$WORK/data-bin
 CKPT=$WORK/$ARCH

@@ -62,6 +62,14 @@ class PrepareError(PluginError):
     pass
 
 
+MARKER = ".annotated-prepare"  # written first into DEST: --force replaces only a preparation
+
+
+def earlier_preparation(dest) -> bool:
+    """Whether DEST was written by annotated-prepare (finished or stopped half-way)."""
+    return any(os.path.exists(os.path.join(dest, name)) for name in (MARKER, "prepare.json"))
+
+
 def open_text(path):
     """A plain or gzipped UTF-8 text file (PATH or PATH.gz), without a leading byte-order mark."""
     if not os.path.exists(path) and os.path.exists(path + ".gz"):
@@ -247,9 +255,16 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
         raise PrepareError(f"--raw-dir {raw_dir} is inside --dest {dest}, which the preparation "
                            f"replaces; give a --dest outside the raw text")
     replace = os.path.isdir(dest) and os.listdir(dest)
+    if replace and not earlier_preparation(dest):
+        raise PrepareError(f"{dest} is not empty and holds no earlier preparation (no "
+                           f"prepare.json), so it is not replaced, not even with --force; "
+                           f"choose another --dest")
     if replace and not force:
-        raise PrepareError(f"{dest} is not empty; choose another --dest or pass --force to "
-                           f"replace it")
+        raise PrepareError(f"{dest} holds an earlier preparation; pass --force to replace it, or "
+                           f"choose another --dest")
+    if replace and os.path.islink(dest):
+        raise PrepareError(f"--dest {dest} is a symbolic link; give the directory it points to "
+                           f"({os.path.realpath(dest)})")
     langs = (source_lang, target_lang)
     data = {split: read_parallel(raw_dir, prefix, *langs) for split, prefix in splits.items()}
 
@@ -277,6 +292,8 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
 
     if replace:  # only once the input is known to be good
         shutil.rmtree(dest)
+    os.makedirs(dest, exist_ok=True)
+    open(os.path.join(dest, MARKER), "w").close()
     text, raw = os.path.join(dest, "text"), os.path.join(dest, "raw")
     os.makedirs(text)
     os.makedirs(raw)
@@ -325,7 +342,7 @@ def main(argv=None):
     p.add_argument("--dest", required=True, help="output data-bin directory")
     p.add_argument("--bpe-merges", type=int, default=8000, help="number of joint BPE merges")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--force", action="store_true", help="replace a non-empty --dest")
+    p.add_argument("--force", action="store_true", help="replace an earlier preparation in --dest")
     args = p.parse_args(argv)
 
     corpus = CORPORA.get(args.corpus, {})

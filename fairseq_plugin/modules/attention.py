@@ -26,13 +26,14 @@ from torch import Tensor, nn
 from ..errors import PluginError
 from .cache import (Ancestry, BeamReorder, KeyValueCache, SelfAttentionCache,
                     SourceAttentionCache)
+from ..torch_release import TORCH_RELEASE
 from .dropout import Dropout
 from .packing import NO_PACKING, Packing
 
 # Since torch 2.5, scaled_dot_product_attention returns zeros for a query whose boolean mask allows
 # no key (a left-padded target's padding); older versions return NaN there, in the output and in
 # the gradients, so we let such a query see every key and zero its row afterwards.
-_SDPA_ZEROES_EMPTY_ROWS = torch.__version__ >= (2, 5)
+_SDPA_ZEROES_EMPTY_ROWS = TORCH_RELEASE >= (2, 5)
 
 FUSED, EXPLICIT = "fused", "explicit"
 

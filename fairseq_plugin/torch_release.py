@@ -1,0 +1,16 @@
+"""The installed torch's (major, minor) release, for the few places that depend on it."""
+
+import re
+
+import torch
+
+
+def release(version: str) -> tuple:
+    """(major, minor) of a torch version string. A pre-release such as "2.6.0a0+git..." (NVIDIA's
+    containers, source builds) counts as 2.6, which it implements; a PEP 440 comparison (what
+    ``torch.__version__ >= (2, 6)`` does) would put it before 2.6."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+TORCH_RELEASE = release(torch.__version__)
