@@ -152,6 +152,30 @@ def test_prepare_refuses_missing_and_empty_input_and_a_non_empty_destination(tmp
                                     splits, force=True)
 
 
+def test_prepare_force_replaces_only_what_the_earlier_preparation_wrote(tmp_path):
+    """--force deletes the earlier preparation's files (here of another language pair), never
+    the user's own files next to them."""
+    splits = {"train": "train", "valid": "valid", "test": "test"}
+    write_slice(tmp_path / "raw", n_train=300, n_eval=5)
+    dest = tmp_path / "data-bin"
+    (dest / "text").mkdir(parents=True)
+    (dest / "mymodels").mkdir()
+    for name in ("prepare.json", "dict.fr.txt", "train.fr-en.fr.bin", "valid1.fr-en.en.idx",
+                 "text/train.fr", "notes.txt", "mymodels/checkpoint_best.pt"):
+        (dest / name).write_text("earlier")
+    prepare_translation.prepare(str(tmp_path / "raw"), str(dest), "de", "en", splits,
+                                bpe_merges=50, force=True)
+    assert sorted(os.listdir(dest)) == sorted([
+        ".annotated-prepare", "prepare.json", "bpe.codes", "text", "raw", "preprocess.log",
+        "dict.de.txt", "dict.en.txt", "notes.txt", "mymodels",
+        *(f"{split}.de-en.{lang}.{ext}" for split in splits for lang in ("de", "en")
+          for ext in ("bin", "idx"))])
+    assert sorted(os.listdir(dest / "text")) == sorted(f"{split}.{lang}" for split in splits
+                                                       for lang in ("de", "en"))
+    assert (dest / "notes.txt").read_text() == "earlier"
+    assert (dest / "mymodels" / "checkpoint_best.pt").read_text() == "earlier"
+
+
 def test_prepare_refuses_text_that_is_not_utf8_and_too_few_merges(tmp_path):
     splits = {"train": "train", "valid": "valid", "test": "test"}
     write_slice(tmp_path / "raw", n_train=50, n_eval=5)

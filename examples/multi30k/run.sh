@@ -37,9 +37,9 @@ case "${DEVICE:-cpu}" in
   *) echo "run.sh: error: DEVICE=$DEVICE; use DEVICE=cpu or DEVICE=gpu" >&2; exit 2 ;;
 esac
 
-if [ ! -f "$DATA/prepare.json" ]; then
+if [ ! -f "$DATA/prepare.json" ]; then  # --force: redo a preparation stopped half-way
   "$BIN/annotated-prepare" --corpus multi30k ${RAW_DIR:+--raw-dir "$RAW_DIR"} \
-      --dest "$DATA" --bpe-merges 8000
+      --dest "$DATA" --bpe-merges 8000 --force
 fi
 
 # Same hyper-parameters for both architectures: d_model 256, 3+3 layers, d_ff 512, 8 heads,

@@ -65,9 +65,28 @@ class PrepareError(PluginError):
 MARKER = ".annotated-prepare"  # written first into DEST: --force replaces only a preparation
 
 
+# what a preparation writes into DEST: ours, and fairseq-preprocess's dictionaries, binarised
+# splits (train.de-en.de.bin, valid1.de-en.en.idx, ...) and log
+PREPARATION_ENTRY = re.compile(
+    r"\.annotated-prepare|prepare\.json|bpe\.codes|text|raw|preprocess\.log|dict\.[^.]+\.txt"
+    r"|(train|valid\d*|test\d*)\.[^.]+-[^.]+\.[^.]+\.(bin|idx)")
+
+
 def earlier_preparation(dest) -> bool:
     """Whether DEST was written by annotated-prepare (finished or stopped half-way)."""
     return any(os.path.exists(os.path.join(dest, name)) for name in (MARKER, "prepare.json"))
+
+
+def remove_earlier_preparation(dest) -> None:
+    """Delete what an earlier preparation wrote in DEST, and only that: other files stay."""
+    for name in os.listdir(dest):
+        path = os.path.join(dest, name)
+        if not PREPARATION_ENTRY.fullmatch(name):
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 def open_text(path):
@@ -291,7 +310,7 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
                            f"train.{target_lang}, so BPE learnt no merge: give more text")
 
     if replace:  # only once the input is known to be good
-        shutil.rmtree(dest)
+        remove_earlier_preparation(dest)
     os.makedirs(dest, exist_ok=True)
     open(os.path.join(dest, MARKER), "w").close()
     text, raw = os.path.join(dest, "text"), os.path.join(dest, "raw")
