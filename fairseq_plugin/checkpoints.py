@@ -87,6 +87,29 @@ def load_plain(path: str) -> dict:
         return torch.load(path, map_location="cpu", weights_only=HAS_ALLOWLIST)
 
 
+def check_output_file(path: str, force: bool, example: str) -> None:
+    """One line for a checkpoint ``--output`` that may not be written: a directory (``example``
+    names a file in it), or an existing file without ``--force``."""
+    if os.path.isdir(path):
+        raise PluginError(f"--output {path} is a directory; give a file name, e.g. "
+                          f"{os.path.join(path, example)}")
+    if os.path.exists(path) and not force:
+        raise PluginError(f"{path} already exists; choose another output or pass --force")
+
+
+def save_whole(state: dict, path: str) -> None:
+    """torch.save ``state`` to ``path`` whole or not at all: written to PATH.tmp (its folder
+    made if need be), then renamed; a failed write leaves no PATH.tmp behind."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 allow_fairseq_checkpoints()
 
 

@@ -43,7 +43,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from torch import Tensor
 
-from .checkpoints import HAS_ALLOWLIST, load_plain
+from .checkpoints import HAS_ALLOWLIST, check_output_file, load_plain, save_whole
 from .errors import PluginError, exit_in_one_line
 from .models.annotated_transformer import resolved_model_config
 from .modules.embeddings import SinusoidalPositionalEncoding
@@ -261,9 +261,10 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
 
     if not os.path.isfile(checkpoint):
         raise PluginError(f"no checkpoint at {checkpoint}; give the path of a .pt file")
-    for path in (output, ctranslate2_dir):
-        if path and os.path.exists(path) and not force:
-            raise PluginError(f"{path} already exists; choose another output or pass --force")
+    check_output_file(output, force, example="transformer.pt")
+    if ctranslate2_dir and os.path.exists(ctranslate2_dir) and not force:
+        raise PluginError(f"{ctranslate2_dir} already exists; choose another --ctranslate2 or "
+                          f"pass --force")
     state = checkpoint_utils.load_checkpoint_to_cpu(checkpoint)  # plugin: one-line errors
     cfg = state["cfg"]
     ours_args = resolved_model_config(cfg.model) if cfg.model is not None else None
@@ -332,10 +333,7 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
         # no optimizer state: fine-tune an export with --reset-optimizer --reset-lr-scheduler
         "last_optimizer_state": None,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    tmp = output + ".tmp"
-    torch.save(exported, tmp)
-    os.replace(tmp, output)  # never leaves a half-written checkpoint behind
+    save_whole(exported, output)  # never a half-written checkpoint
     log(f"annotated-export-fairseq: wrote {output} (--arch transformer, "
         f"{'pre' if args.encoder_normalize_before else 'post'}-LN, learned positions)")
     if ctranslate2_dir:

@@ -212,12 +212,18 @@ def test_exporting_a_checkpoint_of_another_arch_is_refused_in_one_line(exported,
     assert not (tmp_path / "again.pt").exists()
 
 
-def test_export_refuses_to_overwrite_without_force(reverse_run, exported):
+def test_export_refuses_to_overwrite_without_force_and_a_directory_as_output(
+        reverse_run, exported, tmp_path):
     before = exported["checkpoint"].read_bytes()
     proc = export_cli(reverse_run["checkpoint"], "--output", exported["checkpoint"])
     assert proc.returncode != 0
     assert "already exists; choose another output or pass --force" in proc.stderr
     assert exported["checkpoint"].read_bytes() == before
+    proc = export_cli(reverse_run["checkpoint"], "--output", tmp_path, "--force")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"annotated-export-fairseq: error: --output {tmp_path} is a directory; give a file name, "
+        f"e.g. {tmp_path}/transformer.pt")
+    assert os.listdir(tmp_path) == [] and not os.path.exists(f"{tmp_path}.tmp")
 
 
 def test_options_ctranslate2_does_not_support_are_refused_in_one_line(tmp_path):

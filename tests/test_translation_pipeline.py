@@ -117,6 +117,16 @@ def test_prepare_refuses_misaligned_files(tmp_path):
         f"{tmp_path}/raw/valid.en has 6: parallel files must be aligned line by line")
 
 
+def test_prepare_of_the_bundled_corpus_outside_the_repository_says_where_to_run_it(tmp_path):
+    proc = cli("annotated-prepare", "--corpus", "tatoeba", "--dest", "bin", cwd=tmp_path,
+               check=False)
+    assert_one_line_error(proc, "annotated-prepare: error: --corpus tatoeba reads "
+                                "examples/tatoeba/data of this repository, which is not here: run "
+                                "annotated-prepare in the repository's root, or pass --raw-dir "
+                                "PATH/examples/tatoeba/data")
+    assert os.listdir(tmp_path) == []
+
+
 def test_prepare_refuses_missing_and_empty_input_and_a_non_empty_destination(tmp_path):
     splits = {"train": "train", "valid": "valid", "test": "test"}
     write_slice(tmp_path / "raw", n_train=50, n_eval=5)
@@ -291,6 +301,12 @@ def test_evaluation_refuses_bad_input_in_one_line_and_keeps_earlier_outputs(trai
                                 f"see {tmp_path}/generate-test.new.log")
     for name in ("generate-test.txt", "generate-test.log"):
         assert (tmp_path / name).read_text() == "an earlier run's"
+    # a directory as --output is refused before the test set is decoded
+    proc = cli("annotated-evaluate-bleu", w / "bin", w / "checkpoints" / "checkpoint_last.pt",
+               "--output", tmp_path, check=False)
+    assert_one_line_error(proc, f"annotated-evaluate-bleu: error: --output {tmp_path} is a "
+                                f"directory; give a file name, e.g. {tmp_path}/hypotheses.txt")
+    assert "fairseq-generate" not in proc.stderr
 
 
 def test_averaging_two_checkpoints_gives_the_mean_and_still_generates(trained, tmp_path):
@@ -369,7 +385,7 @@ def test_averaging_refuses_to_overwrite_and_to_average_too_few(trained, tmp_path
         average_checkpoints.last_checkpoints(str(ckpt), 5)
     existing = tmp_path / "exists.pt"
     existing.write_text("precious")
-    with pytest.raises(SystemExit, match="exists; pass --force"):
+    with pytest.raises(SystemExit, match="already exists; choose another output or pass --force"):
         average_checkpoints.main(["--inputs", str(ckpt / "checkpoint1.pt"),
                                   "--output", str(existing)])
     assert existing.read_text() == "precious"
@@ -513,6 +529,20 @@ def test_heatmaps_refuse_fairseqs_transformer_and_a_missing_matplotlib(prepared,
         heatmaps.main([str(w / "bin"), str(ckpt / "checkpoint_last.pt"), "Hallo.",
                        "--out-dir", str(tmp_path / "maps")])
     assert not (tmp_path / "maps").exists()
+
+
+def test_heatmaps_refuse_a_file_as_output_directory_before_translating(prepared, trained,
+                                                                        tmp_path, monkeypatch):
+    w, _ = prepared
+    _, ckpt = trained
+    (tmp_path / "maps").write_text("mine")
+    monkeypatch.setattr(heatmaps, "load_hub", None)  # not reached
+    with pytest.raises(SystemExit) as exited:
+        heatmaps.main([str(w / "bin"), str(ckpt / "checkpoint_last.pt"), "Hallo.",
+                       "--out-dir", str(tmp_path / "maps")])
+    assert str(exited.value) == (f"annotated-attention-heatmaps: error: --out-dir "
+                                 f"{tmp_path}/maps is a file; give a directory for the heat-maps")
+    assert (tmp_path / "maps").read_text() == "mine"
 
 
 def test_the_demo_goes_on_only_over_a_data_bin_an_earlier_demo_made(tmp_path):

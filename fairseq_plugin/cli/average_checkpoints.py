@@ -18,9 +18,8 @@ import collections
 import os
 import re
 
-import torch
 
-from ..checkpoints import load_plain
+from ..checkpoints import check_output_file, load_plain, save_whole
 from ..errors import PluginError, exit_in_one_line
 
 
@@ -142,20 +141,8 @@ def main(argv=None):
                     f"--num-update-checkpoints N to average its last N checkpoints")
         else:
             paths = args.inputs
-        if os.path.isdir(args.output):
-            raise PluginError(f"--output {args.output} is a directory; give a file name, e.g. "
-                              f"{os.path.join(args.output, 'checkpoint_avg.pt')}")
-        if os.path.exists(args.output) and not args.force:
-            raise PluginError(f"{args.output} exists; pass --force to overwrite it")
-        state = average(paths)
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        tmp = args.output + ".tmp"
-        try:
-            torch.save(state, tmp)
-            os.replace(tmp, args.output)  # never leave a half-written checkpoint
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        check_output_file(args.output, args.force, example="checkpoint_avg.pt")
+        save_whole(average(paths), args.output)  # never a half-written checkpoint
     except PluginError as e:
         exit_in_one_line("annotated-average-checkpoints", e)
     print(f"averaged {len(paths)} checkpoints into {args.output}:")

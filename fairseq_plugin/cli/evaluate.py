@@ -81,6 +81,9 @@ def main(argv=None):
     p.add_argument("--output", help="write the detokenised hypotheses here")
     args = p.parse_args(argv)
     try:
+        if args.output and os.path.isdir(args.output):  # before the whole test set is decoded
+            raise PluginError(f"--output {args.output} is a directory; give a file name, e.g. "
+                              f"{os.path.join(args.output, 'hypotheses.txt')}")
         hyps, settings = generate_detokenised(args.data_bin, args.checkpoint, args.beam,
                                               subset=args.subset,
                                               extra=["--lenpen", str(args.lenpen)],
@@ -89,6 +92,7 @@ def main(argv=None):
     except PluginError as e:
         exit_in_one_line("annotated-evaluate-bleu", e)
     if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w", encoding="utf-8") as f:
             f.writelines(h + "\n" for _, _, h in triples)
     for src, ref, hyp in triples[: args.examples]:

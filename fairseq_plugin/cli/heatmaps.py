@@ -142,6 +142,9 @@ def main(argv=None):
     try:
         if not args.sentence.strip():
             raise PluginError("the sentence is empty; give the text to translate in quotes")
+        if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+            raise PluginError(f"--out-dir {args.out_dir} is a file; give a directory for the "
+                              f"heat-maps")
         require_matplotlib()  # before the model loads and translates
         hub = load_hub(args.data_bin, args.checkpoint)
         model = hub.models[0]

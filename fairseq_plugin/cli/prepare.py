@@ -378,6 +378,10 @@ def main(argv=None):
         if "archive" in corpus:  # iwslt14: an archive to fetch (or given) and convert
             archive = raw_dir or fetch(corpus["archive"], args.dest + ".download")
             raw_dir = iwslt14_to_raw(archive, args.dest + ".raw", src, tgt)
+        elif args.raw_dir is None and "bundled" in corpus and not os.path.isdir(raw_dir):
+            raise PrepareError(f"--corpus {args.corpus} reads {raw_dir} of this repository, "
+                               f"which is not here: run annotated-prepare in the repository's "
+                               f"root, or pass --raw-dir PATH/{raw_dir}")
         elif raw_dir is None:
             if "download" not in corpus:
                 p.error("give --raw-dir (or a named --corpus)")
