@@ -17,8 +17,8 @@ sinusoids (notebook formula) or ``positional``    ``*.embed_positions`` (learned
 ``decoder.generator.proj``                        ``decoder.output_projection``
 ================================================  ==================================================
 
-Pre-LN maps to ``--encoder-normalize-before --decoder-normalize-before``, ``--post-norm`` to
-fairseq's default post-LN. Every parameter must find its counterpart and the exported model must
+Each stack's pre-LN maps to its ``--*-normalize-before``, post-LN (``--post-norm``) to fairseq's
+default. Every parameter must find its counterpart and the exported model must
 give the same logits (checked on the data's dictionaries before anything is written), otherwise
 the export is refused with the reason.
 
@@ -46,6 +46,7 @@ from torch import Tensor
 from .checkpoints import HAS_ALLOWLIST, check_output_file, load_plain, save_whole
 from .errors import PluginError, exit_in_one_line
 from .models.annotated_transformer import resolved_model_config
+from .models.config import normalize_before
 from .modules.embeddings import SinusoidalPositionalEncoding
 
 TOLERANCE = 1e-4  # max |logit difference| accepted between the two models
@@ -64,8 +65,8 @@ def transformer_args(ours: Namespace) -> Namespace:
     if hasattr(args, "post_norm"):
         delattr(args, "post_norm")
     args.arch = args._name = "transformer"
-    pre_ln = not getattr(ours, "post_norm", False)
-    args.encoder_normalize_before = args.decoder_normalize_before = pre_ln
+    for stack in ("encoder", "decoder"):
+        setattr(args, f"{stack}_normalize_before", normalize_before(ours, stack))
     positions = not ours.no_token_positional_embeddings
     # the notebook's sinusoids are not fairseq's (interleaved sin/cos): export them as a table
     args.encoder_learned_pos = args.decoder_learned_pos = positions
@@ -222,6 +223,14 @@ def max_logit_difference(ours, theirs, src_dict, tgt_dict) -> float:
     return float((a - b).abs().max())
 
 
+def layer_norm_placement(args: Namespace) -> str:
+    """"pre-LN", "post-LN", or each stack's when they differ, of fairseq transformer ``args``."""
+    pre = [getattr(args, f"{stack}_normalize_before") for stack in ("encoder", "decoder")]
+    if pre[0] == pre[1]:
+        return "pre-LN" if pre[0] else "post-LN"
+    return f"{'pre' if pre[0] else 'post'}-LN encoder, {'pre' if pre[1] else 'post'}-LN decoder"
+
+
 def fairseq_post_ln_bug(error: RuntimeError) -> bool:
     """fairseq 0.12.2's post-LN encoder fast path, with torch >= 1.13, on a padded batch."""
     return "Mask Type should be defined" in str(error)
@@ -234,7 +243,8 @@ def fairseq_cannot_run(error: RuntimeError) -> str:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return (f"fairseq {fairseq.__version__}'s transformer fails on this model ({first}); its "
             "post-LN encoder fast path breaks on padded batches in fairseq-generate too (fairseq "
-            "#4858): export a pre-LN model (trained without --post-norm), or use fairseq-fixed "
+            "#4858): export a model with a pre-LN encoder (trained without --post-norm), or use "
+            "fairseq-fixed "
             "(Python >= 3.11)")
 
 
@@ -335,7 +345,7 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
     }
     save_whole(exported, output)  # never a half-written checkpoint
     log(f"annotated-export-fairseq: wrote {output} (--arch transformer, "
-        f"{'pre' if args.encoder_normalize_before else 'post'}-LN, learned positions)")
+        f"{layer_norm_placement(args)}, learned positions)")
     if ctranslate2_dir:
         to_ctranslate2(exported, data, ctranslate2_dir, args, force)
         log(f"annotated-export-fairseq: wrote the CTranslate2 model {ctranslate2_dir}")

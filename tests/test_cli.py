@@ -293,6 +293,16 @@ def test_interactive_input_that_is_not_utf8_fails_with_one_line(reverse_run, tmp
                                 "start byte: byte 0xfc); convert it, e.g. iconv -f latin1")
 
 
+@pytest.mark.parametrize("flag", [["--layernorm-embedding"], ["--encoder-layerdrop", "0.1"]])
+def test_a_transformer_flag_this_model_lacks_fails_with_one_line(reverse_run, tmp_path, flag):
+    proc = train_quick(reverse_run["data_bin"], tmp_path, *flag)
+    assert proc.stderr.strip().splitlines() == [
+        f"fairseq_plugin: error: {flag[0]} is a flag of fairseq's transformer that "
+        f"annotated_transformer does not implement; drop it (the README's Flags section lists "
+        f"the flags it has)"]
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_unknown_preset_fails_with_one_line(reverse_run, tmp_path):
     proc = train_quick(reverse_run["data_bin"], tmp_path, "--arch", "annotated_transformer_huge")
     assert_one_line_error(proc, "invalid choice: 'annotated_transformer_huge'",

@@ -22,18 +22,23 @@ from fairseq_plugin.export import (
     transformer_state_dict,
 )
 
-# fairseq 0.12.2 cannot run a post-LN transformer (conftest): the export refuses one there
+# fairseq 0.12.2 cannot run a post-LN transformer encoder (conftest): the export refuses one there
 POST_LN = "post-LN, learned positions, separate dictionaries"
+POST_LN_ENCODER = {POST_LN, "post-LN encoder, pre-LN decoder (--decoder-normalize-before)"}
 
 CONFIGS = {
     "pre-LN, sinusoids, all embeddings shared": dict(share_all_embeddings=True),
     POST_LN: dict(post_norm=True, encoder_learned_pos=True, decoder_learned_pos=True),
+    "pre-LN encoder, post-LN decoder (--encoder-normalize-before)": dict(
+        encoder_normalize_before=True),
+    "post-LN encoder, pre-LN decoder (--decoder-normalize-before)": dict(
+        decoder_normalize_before=True),
     "no positions, decoder input/output shared, gelu": dict(
         no_token_positional_embeddings=True, share_decoder_input_output_embed=True,
         activation_fn="gelu"),
 }
 RUNNABLE_CONFIGS = [pytest.param(name, marks=pytest.mark.skipif(
-    name == POST_LN and FAIRSEQ_BREAKS_POST_LN,
+    name in POST_LN_ENCODER and FAIRSEQ_BREAKS_POST_LN,
     reason="fairseq 0.12.2 cannot run a post-LN transformer loaded from a state dict (#4858)"))
     for name in CONFIGS]
 

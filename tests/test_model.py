@@ -78,7 +78,7 @@ def test_presets_have_the_papers_sizes():
         (3, 1024, 4096, 16), (6, 1024, 4096, 16), 0.0)
 
 
-def test_pre_ln_by_default_post_ln_on_request():
+def test_pre_ln_by_default_post_ln_on_request_and_fairseqs_normalize_before_flags_per_stack():
     def sublayers(model):
         return [s for stack in (model.encoder, model.decoder) for layer in stack.layers
                 for s in layer.sublayer]
@@ -89,6 +89,17 @@ def test_pre_ln_by_default_post_ln_on_request():
     post = build_tiny_model(post_norm=True)
     assert post.encoder.norm is None and post.decoder.norm is None
     assert not any(s.normalize_before for s in sublayers(post))
+    # fairseq's flags keep their meaning: pre-LN in the stack they name, post-LN in the other
+    for flag, pre_ln_stack in (("encoder_normalize_before", "encoder"),
+                               ("decoder_normalize_before", "decoder")):
+        model = build_tiny_model(**{flag: True})
+        for stack in (model.encoder, model.decoder):
+            pre_ln = stack is getattr(model, pre_ln_stack)
+            assert (stack.norm is not None) == pre_ln, (flag, stack)
+            assert [s.normalize_before for layer in stack.layers for s in layer.sublayer] == [
+                pre_ln] * len(stack.layers) * len(stack.layers[0].sublayer), (flag, stack)
+    both = build_tiny_model(encoder_normalize_before=True, decoder_normalize_before=True)
+    assert all(s.normalize_before for s in sublayers(both))
     # and what each computes: x + Sublayer(LayerNorm(x)) / LayerNorm(x + Sublayer(x))
     x, double = torch.randn(3, 64), (lambda y: 2 * y)
     pre_ln, post_ln = sublayers(pre)[0].eval(), sublayers(post)[0].eval()

@@ -40,7 +40,8 @@ from ..modules.embeddings import (
 )
 from ..modules.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 from ..modules.packing import packing_for
-from .config import AnnotatedTransformerConfig, check_options, resolve_options
+from .config import (AnnotatedTransformerConfig, add_unsupported_transformer_flags,
+                     check_options, normalize_before, resolve_options)
 
 
 class AnnotatedTransformerEncoder(FairseqEncoder):
@@ -275,15 +276,18 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
     """The Annotated Transformer (harvardnlp) inside fairseq.
 
     Flags keep the names and meanings of fairseq's ``transformer`` wherever the concept is the
-    same; the one difference in defaults is pre-LN (the notebook's "norm first"), see --post-norm.
+    same; the one difference in defaults is pre-LN (the notebook's "norm first") where no
+    --*-normalize-before flag is given, see --post-norm.
     """
 
     @classmethod
     def add_args(cls, parser):
-        """One flag per field of this model's config class, with its defaults."""
+        """One flag per field of this model's config class, with its defaults; fairseq
+        transformer's other flags refuse themselves in one line."""
         gen_parser_from_dataclass(parser, getattr(cls, "__dataclass")())
         parser.add_argument("--relu-dropout", dest="activation_dropout", type=float,
                             help=argparse.SUPPRESS)  # fairseq transformer's other name for it
+        add_unsupported_transformer_flags(parser)  # refused in one line when given
 
     @classmethod
     def options(cls, cfg) -> Namespace:
@@ -308,7 +312,8 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         tgt_tokens = src_tokens if args.share_all_embeddings else Embeddings(
             args.decoder_embed_dim, len(tgt_dict), tgt_dict.pad(), scale)
         share_output = args.share_all_embeddings or args.share_decoder_input_output_embed
-        pre_ln, dropout, p_attn = not args.post_norm, args.dropout, args.attention_dropout
+        dropout, p_attn = args.dropout, args.attention_dropout
+        pre_ln = normalize_before(args, "encoder")  # else post-LN, without a final LayerNorm
         d, h = args.encoder_embed_dim, args.encoder_attention_heads
         encoder = AnnotatedTransformerEncoder(
             src_dict,
@@ -318,6 +323,7 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
                                  dropout, normalize_before=pre_ln)
                     for _ in range(args.encoder_layers)],
             norm=nn.LayerNorm(d) if pre_ln else None)  # pre-LN's final LayerNorm
+        pre_ln = normalize_before(args, "decoder")
         d, h = args.decoder_embed_dim, args.decoder_attention_heads
         decoder = AnnotatedTransformerDecoder(
             tgt_dict,

@@ -2,6 +2,7 @@
 ``model:`` section of a fairseq-hydra-train YAML, how a configuration resolves to every option, and
 the checks that refuse, in one line, options a model cannot be built with."""
 
+import argparse
 import enum
 from argparse import Namespace
 from dataclasses import dataclass, field, fields
@@ -41,8 +42,8 @@ class AnnotatedTransformerConfig(FairseqDataclass):
     encoder_layers: int = _option(6, "number of encoder layers (N)")
     encoder_attention_heads: int = _option(8, "encoder attention heads (h)")
     encoder_normalize_before: bool = _option(
-        False, "pre-LN in the encoder (already the default here; accepted for fairseq "
-               "compatibility; conflicts with post_norm)")
+        False, "pre-LN in the encoder; as in fairseq, this or decoder_normalize_before makes the "
+               "stacks it does not name post-LN (neither: pre-LN in both, see post_norm)")
     encoder_learned_pos: bool = _option(False, "learned instead of sinusoidal positions in the "
                                                "encoder")
     decoder_embed_dim: Optional[int] = _option(None, "decoder d_model (default: encoder_embed_dim)")
@@ -51,8 +52,8 @@ class AnnotatedTransformerConfig(FairseqDataclass):
     decoder_layers: int = _option(6, "number of decoder layers (N)")
     decoder_attention_heads: int = _option(8, "decoder attention heads (h)")
     decoder_normalize_before: bool = _option(
-        False, "pre-LN in the decoder (already the default here; accepted for fairseq "
-               "compatibility; conflicts with post_norm)")
+        False, "pre-LN in the decoder; as in fairseq, this or encoder_normalize_before makes the "
+               "stacks it does not name post-LN (neither: pre-LN in both, see post_norm)")
     decoder_learned_pos: bool = _option(False, "learned instead of sinusoidal positions in the "
                                                "decoder")
     post_norm: bool = _option(
@@ -70,6 +71,33 @@ class AnnotatedTransformerConfig(FairseqDataclass):
     max_target_positions: int = _option(DEFAULT_MAX_POSITIONS, "longest target, in tokens")
 
 
+class _UnsupportedFlag(argparse.Action):
+    """A flag of fairseq's transformer that this model does not implement: refused in one line
+    when given (argparse's own refusal, "unrecognized arguments", follows a long usage dump)."""
+
+    def __init__(self, option_strings, dest, nargs=None, **unused):
+        super().__init__(option_strings, dest, nargs=nargs, default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise PluginError(f"{option_string} is a flag of fairseq's transformer that "
+                          f"annotated_transformer does not implement; drop it (the README's "
+                          f"Flags section lists the flags it has)")
+
+
+def add_unsupported_transformer_flags(parser) -> None:
+    """Hidden, refusing flags for each of fairseq ``transformer``'s flags this parser lacks."""
+    from fairseq.models.transformer import TransformerModel
+
+    theirs = argparse.ArgumentParser(add_help=False)
+    TransformerModel.add_args(theirs)
+    for action in theirs._actions:
+        strings = [s for s in action.option_strings if s not in parser._option_string_actions]
+        if strings:
+            parser.add_argument(*strings, nargs=0 if action.nargs == 0 else None,
+                                action=_UnsupportedFlag)
+
+
 def resolve_options(config, cfg) -> Namespace:
     """Every field of the config class ``config`` (a preset's defaults) with its value in ``cfg``
     (a DictConfig, a config dataclass or an argparse Namespace), or its default."""
@@ -85,6 +113,18 @@ def resolve_options(config, cfg) -> Namespace:
     if args.decoder_ffn_embed_dim is None:
         args.decoder_ffn_embed_dim = args.encoder_ffn_embed_dim
     return args
+
+
+def normalize_before(args: Namespace, stack: str) -> bool:
+    """Whether the sub-layers of ``stack`` ("encoder" or "decoder") are pre-LN. By default both
+    stacks are, as in the Annotated Transformer; --post-norm makes both the paper's post-LN.
+    fairseq's --encoder-normalize-before / --decoder-normalize-before, when either is given, keep
+    their meaning in fairseq's transformer: pre-LN in the stacks they name, post-LN in the other."""
+    if args.post_norm:
+        return False
+    if args.encoder_normalize_before or args.decoder_normalize_before:
+        return getattr(args, f"{stack}_normalize_before")
+    return True
 
 
 def check_options(args: Namespace, src_dict, tgt_dict) -> None:
