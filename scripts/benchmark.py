@@ -418,9 +418,10 @@ def ctranslate2_worker(data_bin, checkpoint, length, max_tokens, work):
     print(json.dumps({"tps": tokens / seconds, "per_hyp": tokens / len(results)}))
 
 
-def decoding_model(checkpoint, data_bin, device=CPU):
+def decoding_model(checkpoint, data_bin, device=CPU, attention_weights=True):
     """The checkpoint's model, on the device in its precision and set up as fairseq-generate sets
-    it up (no attention weights), and its task."""
+    it up, and its task. ``attention_weights=False`` (annotated_transformer only): no source
+    attention returned, so the fused kernel runs in every attention."""
     import torch
     from fairseq import checkpoint_utils
 
@@ -429,6 +430,7 @@ def decoding_model(checkpoint, data_bin, device=CPU):
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     model = models[0].eval().to(device=device.kind, dtype=dtype[device.precision])
     model.make_generation_fast_()
+    model.decoder.need_attn = attention_weights
     return model, task
 
 
@@ -440,7 +442,7 @@ def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=5, dev
     from fairseq_plugin.modules.attention import EXPLICIT, MultiHeadedAttention
     from fairseq_plugin.testing.recomputing import without_cache
 
-    model, task = decoding_model(checkpoint, data_bin, device)
+    model, task = decoding_model(checkpoint, data_bin, device, attention_weights=False)
     recomputing = without_cache(model)
     sample = random_sources(task.source_dictionary, n_sentences, device)
     attention = [m for m in model.modules() if isinstance(m, MultiHeadedAttention)]
@@ -498,7 +500,7 @@ def step_operations(checkpoints, data_bin, length, n_sentences=20, device=CPU):
 
     counts = {}
     for column, (checkpoint, kernel) in checkpoints.items():
-        model, task = decoding_model(checkpoint, data_bin, device)
+        model, task = decoding_model(checkpoint, data_bin, device, attention_weights=False)
         for module in model.modules():
             if isinstance(module, MultiHeadedAttention):
                 module.kernel = kernel

@@ -432,6 +432,19 @@ def test_python_api_translates_the_reverse_task_like_fairseq_generate(reverse_ru
     assert translations == [hypothesis for _, _, hypothesis in items]
     assert len(set(translations)) == len(translations)
     assert sum(t == " ".join(reversed(s.split())) for t, (s, _, _) in zip(translations, items)) >= 18
+    # alignments as fairseq's transformer gives them: output j attends to source n - 1 - j, in
+    # beam search's hypotheses ("attention": source x output positions, with end-of-sentence)
+    # and on request (print_alignment: (source, output) pairs)
+    reversed_ok = 0
+    for source, _, _ in items:
+        tokens = hub.encode(source)
+        n = len(tokens) - 1  # without end-of-sentence
+        reversal = [(n - 1 - j, j) for j in range(n)]
+        attention = hub.generate([tokens], beam=5)[0][0]["attention"]  # (n + 1, n + 1)
+        alignment = hub.generate([tokens], beam=5, print_alignment="hard")[0][0]["alignment"]
+        reversed_ok += (attention[:n, :n].argmax(dim=0).tolist() == [i for i, _ in reversal]
+                        and alignment == reversal)
+    assert reversed_ok >= 18, reversed_ok
 
 
 def test_heatmaps_of_the_reverse_model_show_its_anti_diagonal_source_attention(reverse_run,

@@ -6,6 +6,7 @@ import statistics
 import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
+from omegaconf import OmegaConf
 
 from conftest import (PLUGIN_DIR, build_tiny_model, make_dictionary, random_tokens,
                       reverse_data_bin, sharpen)
@@ -105,7 +106,7 @@ def test_cache_follows_beam_reorders_and_a_shrinking_batch(beam_size_told):
     model = build_tiny_model(d)
     g = torch.Generator().manual_seed(1)
     bsz, beam = 3, 4
-    model.decoder.make_generation_fast_(need_attn=False)  # as fairseq-generate does
+    model.decoder.need_attn = False  # no weights: the fused kernel in every attention
     if beam_size_told:
         model.set_beam_size(beam)
     src, lengths = padded_sources(d, [5, 8, 3], left_pad=True)
@@ -241,7 +242,7 @@ def test_source_keys_and_values_are_kept_once_per_sentence_and_not_copied_within
     model = build_tiny_model(d)
     bsz, beam = 3, 4
     model.set_beam_size(beam)
-    model.decoder.make_generation_fast_(need_attn=False)  # as fairseq-generate does
+    model.decoder.need_attn = False  # no weights: the fused kernel in every attention
     src, lengths = padded_sources(d, [5, 8, 3], left_pad=True)
     src_attns = [layer.src_attn for layer in model.decoder.layers]
     with torch.no_grad():
@@ -282,15 +283,19 @@ def beam_search_of_sharp_tiny_model(model=None, beam=4):
 
 def test_alignments_of_cached_beam_search_equal_a_full_pass_with_source_keys_still_grouped(
         monkeypatch):
-    """need_attn on (validation with --eval-bleu, --print-alignment): the source attention's
-    weights come from the grouped source cache, one row of keys per sentence."""
+    """Beam search's alignments (fairseq-generate, the hub, --eval-bleu's validation): the
+    source attention's weights come from the grouped source cache, one row of keys per sentence,
+    also once fairseq prepared the model for inference without --print-alignment (fairseq's
+    transformer returns them then too)."""
     ungrouped, stored_in_groups_of = [], []
     ungroup, append = SourceAttentionCache.ungroup, SourceAttentionCache.append
     monkeypatch.setattr(SourceAttentionCache, "ungroup",
                         lambda self: (ungrouped.append(self.group), ungroup(self)))
     monkeypatch.setattr(SourceAttentionCache, "append", lambda self, *args: (
         stored_in_groups_of.append(self.group), append(self, *args)))
-    d, model, src, lengths, hypos = beam_search_of_sharp_tiny_model()
+    model = sharp_tiny_model()
+    model.prepare_for_inference_(OmegaConf.create({"generation": {"print_alignment": None}}))
+    d, model, src, lengths, hypos = beam_search_of_sharp_tiny_model(model)
     assert stored_in_groups_of == [4, 4] and ungrouped == []  # 2 layers, beam 4
     for i, sentence in enumerate(hypos):
         for hypo in sentence:
@@ -601,7 +606,7 @@ def test_fused_kernel_in_decoding_steps_equals_the_written_out_formula():
     no alignment asked for) give the beams of the written-out formula."""
     d = make_dictionary(40)
     model = sharpen(build_tiny_model(d))
-    model.decoder.make_generation_fast_(need_attn=False)
+    model.decoder.need_attn = False  # no weights: the fused kernel in every attention
     src, lengths = padded_sources(d, [6, 9, 4, 7, 2], left_pad=True)
     sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
 

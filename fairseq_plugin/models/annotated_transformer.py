@@ -152,8 +152,9 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         self.norm = norm  # pre-LN's final LayerNorm (None with --post-norm)
         self.generator = generator
         self.skip_padding = True  # in training, position-wise work on real tokens only (packing.py)
-        # return the source attention outside training (fairseq-generate turns it off unless
-        # --print-alignment, through make_generation_fast_; --eval-bleu's validation keeps it)
+        # outside training, return the alignment layer's source attention, as fairseq's
+        # transformer always does (the hub's hypotheses, --print-alignment); False: the fused
+        # kernel in every attention (tests, the cache benchmark's baseline)
         self.need_attn = True
 
     def forward(
@@ -221,9 +222,6 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
 
     def max_positions(self) -> int:
         return self.embed.max_positions
-
-    def make_generation_fast_(self, need_attn: bool = False, **unused):
-        self.need_attn = need_attn
 
     # -- Incremental decoding: every attention module keeps a cache in fairseq's incremental_state
     # (modules/cache.py); the decoder starts them, adds each step to the beam's ancestry and hands
