@@ -154,6 +154,22 @@ def test_share_all_embeddings_needs_a_joined_dictionary():
         build_tiny_model(make_dictionary(30), make_dictionary(31), share_all_embeddings=True)
 
 
+def test_alignment_supervision_is_refused_in_one_line():
+    """label_smoothed_cross_entropy_with_alignment reads the decoder's attention in training,
+    which this model does not return: --load-alignments is refused before training starts."""
+    from fairseq.models import MODEL_REGISTRY
+    from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+    d = make_dictionary()
+    model = MODEL_REGISTRY["annotated_transformer_tiny"]
+    assert model.build_model(Namespace(), TranslationTask(TranslationConfig(), d, d))
+    with pytest.raises(PluginError, match="^--load-alignments: alignment supervision reads the "
+                                          "decoder's attention weights in training, which "
+                                          "annotated_transformer does not return; drop"):
+        model.build_model(Namespace(), TranslationTask(TranslationConfig(load_alignments=True),
+                                                       d, d))
+
+
 def test_post_norm_conflicts_with_normalize_before():
     with pytest.raises(PluginError, match="--post-norm conflicts"):
         build_tiny_model(post_norm=True, encoder_normalize_before=True)

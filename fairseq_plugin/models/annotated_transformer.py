@@ -41,7 +41,7 @@ from ..modules.embeddings import (
 from ..modules.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 from ..modules.packing import packing_for
 from .config import (AnnotatedTransformerConfig, add_unsupported_transformer_flags,
-                     check_options, normalize_before, resolve_options)
+                     check_options, check_task, normalize_before, resolve_options)
 
 
 class AnnotatedTransformerEncoder(FairseqEncoder):
@@ -298,6 +298,7 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         """fairseq builds the model here: the options, checked, then make_model."""
         args = cls.options(cfg)
         check_options(args, task.source_dictionary, task.target_dictionary)
+        check_task(task)
         return cls.make_model(args, task.source_dictionary, task.target_dictionary)
 
     @classmethod

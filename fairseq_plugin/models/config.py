@@ -134,6 +134,17 @@ def check_options(args: Namespace, src_dict, tgt_dict) -> None:
         _check_shared_embeddings(args, src_dict, tgt_dict)
 
 
+def check_task(task) -> None:
+    """One line for task options this model cannot serve: alignment supervision
+    (--load-alignments, for label_smoothed_cross_entropy_with_alignment) reads the decoder's
+    attention in training, which this model does not return (it skips padding and runs the fused
+    kernel there)."""
+    if getattr(getattr(task, "cfg", None), "load_alignments", False):
+        raise PluginError("--load-alignments: alignment supervision reads the decoder's attention "
+                          "weights in training, which annotated_transformer does not return; "
+                          "drop --load-alignments, or train fairseq's transformer_align")
+
+
 def _check_flags(args):
     """One line for flags this model cannot be built with."""
     for side in ("encoder", "decoder"):
