@@ -186,6 +186,41 @@ def test_a_checkpoint_with_parameters_this_model_lacks_is_refused_in_one_line():
                        learned["encoder.layers.0.self_attn.qkv_proj.weight"])
 
 
+def test_a_checkpoint_whose_flags_name_one_pre_ln_stack_but_has_two_is_refused_with_the_fix(
+        tmp_path):
+    """Before the normalize-before flags kept fairseq's per-stack meaning, one of them made both
+    stacks pre-LN. Such a checkpoint (here tests/data/pre_redesign, pre-LN in both, its options
+    edited to name the encoder only) is refused with the --model-overrides that loads it, and
+    then translates as before."""
+    from fairseq import checkpoint_utils
+
+    here = os.path.join(os.path.dirname(__file__), "data", "pre_redesign")
+    state = torch.load(os.path.join(here, "checkpoint.pt"), weights_only=False)
+    state["cfg"]["model"].decoder_normalize_before = False
+    torch.save(state, tmp_path / "one_flag.pt")
+    overrides = {"data": here, "source_lang": "src", "target_lang": "tgt"}
+    with pytest.raises(PluginError, match=(
+            "the checkpoint's decoder is pre-LN but these options build a post-LN decoder; "
+            ".*load it with --model-overrides "
+            "\"{'encoder_normalize_before': True, 'decoder_normalize_before': True}\"$")):
+        checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "one_flag.pt")],
+                                                      arg_overrides=overrides)
+    models, _, _ = checkpoint_utils.load_model_ensemble_and_task(  # the fix it names
+        [str(tmp_path / "one_flag.pt")],
+        arg_overrides={**overrides, "encoder_normalize_before": True,
+                       "decoder_normalize_before": True})
+    expected = torch.load(os.path.join(here, "expected.pt"))
+    with torch.no_grad():
+        logits = models[0].eval()(expected["src_tokens"], expected["src_lengths"],
+                                  expected["prev_output_tokens"])[0]
+    real = expected["prev_output_tokens"].ne(1)  # padding is free
+    assert (logits[real] - expected["logits"][real]).abs().max() <= 1e-5
+    # not strict either: the other placement would compute something else
+    pre_ln_encoder_only = build_tiny_model(decoder_normalize_before=True)
+    with pytest.raises(PluginError, match="the checkpoint's encoder is pre-LN"):
+        pre_ln_encoder_only.load_state_dict(build_tiny_model().state_dict(), strict=False)
+
+
 def test_a_longer_position_limit_loads_sinusoidal_checkpoints_and_refuses_learned_ones():
     """What --model-overrides "{'max_source_positions': N}" meets when the model loads."""
     d = make_dictionary()

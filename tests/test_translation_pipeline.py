@@ -171,6 +171,7 @@ def test_prepare_force_replaces_only_what_the_earlier_preparation_wrote(tmp_path
     (dest / "text").mkdir(parents=True)
     (dest / "mymodels").mkdir()
     for name in ("prepare.json", "dict.fr.txt", "train.fr-en.fr.bin", "valid1.fr-en.en.idx",
+                 "train.fr-en.en.pt1.idx",  # a fairseq-preprocess worker's part, left unmerged
                  "text/train.fr", "notes.txt", "mymodels/checkpoint_best.pt"):
         (dest / name).write_text("earlier")
     prepare_translation.prepare(str(tmp_path / "raw"), str(dest), "de", "en", splits,

@@ -66,10 +66,11 @@ MARKER = ".annotated-prepare"  # written first into DEST: --force replaces only 
 
 
 # what a preparation writes into DEST: ours, and fairseq-preprocess's dictionaries, binarised
-# splits (train.de-en.de.bin, valid1.de-en.en.idx, ...) and log
+# splits (train.de-en.de.bin, valid1.de-en.en.idx, ...; its workers' parts, train.de-en.de.pt1.bin,
+# when it stopped before merging them) and log
 PREPARATION_ENTRY = re.compile(
     r"\.annotated-prepare|prepare\.json|bpe\.codes|text|raw|preprocess\.log|dict\.[^.]+\.txt"
-    r"|(train|valid\d*|test\d*)\.[^.]+-[^.]+\.[^.]+\.(bin|idx)")
+    r"|(train|valid\d*|test\d*)\.[^.]+-[^.]+\.[^.]+(\.pt\d+)?\.(bin|idx)")
 
 
 def earlier_preparation(dest) -> bool:

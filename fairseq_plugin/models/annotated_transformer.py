@@ -389,6 +389,16 @@ def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor],
     model lacks are ignored when not strict (as torch does); missing ones are refused always."""
     missing = [k for k in expected if k not in loaded]
     unexpected = [k for k in loaded if k not in expected]
+    for stack in ("encoder", "decoder"):  # pre-LN's final LayerNorm: in one of them only
+        final_norm = f"{stack}.norm.weight"
+        if final_norm in missing or final_norm in unexpected:  # also when not strict
+            trained, built = ("pre", "post") if final_norm in unexpected else ("post", "pre")
+            raise PluginError(
+                f"the checkpoint's {stack} is {trained}-LN but these options build a {built}-LN "
+                f"{stack}; a checkpoint trained with one --*-normalize-before flag before the "
+                f"flags kept fairseq's per-stack meaning is pre-LN in both stacks: load it with "
+                f"--model-overrides \"{{'encoder_normalize_before': True, "
+                f"'decoder_normalize_before': True}}\"")
     if missing or (unexpected and strict):
         found = (f"missing {missing[0]}" + (f", has {unexpected[0]} instead" if unexpected else "")
                  if missing else f"has {unexpected[0]}, which this model lacks")
