@@ -243,9 +243,8 @@ def fairseq_cannot_run(error: RuntimeError) -> str:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return (f"fairseq {fairseq.__version__}'s transformer fails on this model ({first}); its "
             "post-LN encoder fast path breaks on padded batches in fairseq-generate too (fairseq "
-            "#4858): export a model with a pre-LN encoder (trained without --post-norm), or use "
-            "fairseq-fixed "
-            "(Python >= 3.11)")
+            "#4858): export a model with a pre-LN encoder (trained with neither --post-norm nor "
+            "--decoder-normalize-before alone), or use fairseq-fixed (Python >= 3.11)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,11 +342,12 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
         # no optimizer state: fine-tune an export with --reset-optimizer --reset-lr-scheduler
         "last_optimizer_state": None,
     }
+    if ctranslate2_dir:  # first: CTranslate2 refuses options it does not support
+        to_ctranslate2(exported, data, ctranslate2_dir, args, force)
     save_whole(exported, output)  # never a half-written checkpoint
     log(f"annotated-export-fairseq: wrote {output} (--arch transformer, "
         f"{layer_norm_placement(args)}, learned positions)")
     if ctranslate2_dir:
-        to_ctranslate2(exported, data, ctranslate2_dir, args, force)
         log(f"annotated-export-fairseq: wrote the CTranslate2 model {ctranslate2_dir}")
     return diff
 

@@ -243,6 +243,23 @@ def test_options_ctranslate2_does_not_support_are_refused_in_one_line(tmp_path):
     assert not (tmp_path / "ct2").exists()
 
 
+def test_a_model_ctranslate2_cannot_convert_is_refused_before_the_export_is_written(tmp_path):
+    """CTranslate2 needs the same layer-norm placement in both stacks: a checkpoint with a pre-LN
+    encoder and a post-LN decoder (tests/data/pre_redesign, made so) writes neither output."""
+    from fairseq_plugin.export import export
+
+    here = os.path.join(REPO, "tests", "data", "pre_redesign")
+    state = torch.load(os.path.join(here, "checkpoint.pt"), weights_only=False)
+    state["cfg"]["model"].decoder_normalize_before = False
+    state["model"] = {k: v for k, v in state["model"].items() if not k.startswith("decoder.norm.")}
+    state["cfg"]["task"].update(source_lang="src", target_lang="tgt")
+    torch.save(state, tmp_path / "mixed.pt")
+    with pytest.raises(PluginError, match="CTranslate2 cannot convert this model: .*normalize"):
+        export(str(tmp_path / "mixed.pt"), str(tmp_path / "transformer.pt"), here,
+               str(tmp_path / "ct2"), log=lambda line: None)
+    assert sorted(os.listdir(tmp_path)) == ["mixed.pt"]
+
+
 def test_an_export_whose_logits_differ_is_refused_and_writes_nothing(reverse_run, tmp_path,
                                                                       monkeypatch):
     from fairseq_plugin import export as export_module
