@@ -261,30 +261,41 @@ def preprocess_summary(line: str):
     return f"fairseq-preprocess {summary[0]}" if summary else None
 
 
-def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, workers=2,
-            force=False):
-    from subword_nmt.apply_bpe import BPE
-    from subword_nmt.learn_bpe import learn_bpe
-
-    if bpe_merges < 1:
-        raise PrepareError(f"--bpe-merges {bpe_merges}: give a number of merges of at least 1")
+def check_destination(dest, raw_dir, force) -> bool:
+    """Whether DEST holds an earlier preparation to replace (once the input is read), or one
+    line for a DEST the preparation may not write to."""
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise PrepareError(f"--dest {dest} is a file; give a directory (new or empty)")
     real_dest = os.path.realpath(dest)
     if os.path.commonpath([os.path.realpath(raw_dir), real_dest]) == real_dest:
         raise PrepareError(f"--raw-dir {raw_dir} is inside --dest {dest}, which the preparation "
                            f"replaces; give a --dest outside the raw text")
-    replace = os.path.isdir(dest) and os.listdir(dest)
-    if replace and not earlier_preparation(dest):
+    if not (os.path.isdir(dest) and os.listdir(dest)):
+        return False
+    if not earlier_preparation(dest):
         raise PrepareError(f"{dest} is not empty and holds no earlier preparation (no "
                            f"prepare.json), so it is not replaced, not even with --force; "
                            f"choose another --dest")
-    if replace and not force:
+    if not force:
         raise PrepareError(f"{dest} holds an earlier preparation; pass --force to replace it, or "
                            f"choose another --dest")
-    if replace and os.path.islink(dest):
+    if os.path.islink(dest):
         raise PrepareError(f"--dest {dest} is a symbolic link; give the directory it points to "
                            f"({os.path.realpath(dest)})")
+    return True
+
+
+def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, workers=2,
+            force=False):
+    """Tokenise (fairseq's moses tokenizer), learn and apply joint BPE, and binarise with
+    fairseq-preprocess into DEST; returns the settings written to DEST/prepare.json. Bad input
+    is refused in one line before DEST is touched."""
+    from subword_nmt.apply_bpe import BPE
+    from subword_nmt.learn_bpe import learn_bpe
+
+    if bpe_merges < 1:
+        raise PrepareError(f"--bpe-merges {bpe_merges}: give a number of merges of at least 1")
+    replace = check_destination(dest, raw_dir, force)
     langs = (source_lang, target_lang)
     data = {split: read_parallel(raw_dir, prefix, *langs) for split, prefix in splits.items()}
 
