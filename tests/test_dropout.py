@@ -115,24 +115,32 @@ def retained(model):
 
 def two_inference_passes(model, monkeypatch):
     """The decoder's output twice for the same batch, and how often attention's fused kernel
-    was handed a dropout probability and the CPU mask was drawn."""
+    was handed a dropout probability, torch's dropout ran (the attention that writes out its
+    weights: the decoder's last source attention, whose weights it returns outside training) and
+    the CPU mask was drawn."""
     import torch.nn.functional as F
 
     from conftest import random_tokens
     from fairseq_plugin.modules import dropout
 
-    fused, cpu_mask = F.scaled_dot_product_attention, dropout._CpuDropout.apply
-    calls = {"fused with dropout": 0, "cpu mask": 0}
+    fused, torch_dropout, cpu_mask = (F.scaled_dot_product_attention, F.dropout,
+                                      dropout._CpuDropout.apply)
+    calls = {"fused with dropout": 0, "torch dropout": 0, "cpu mask": 0}
 
     def counted_fused(*args, dropout_p=0.0, **kwargs):
         calls["fused with dropout"] += dropout_p > 0
         return fused(*args, dropout_p=dropout_p, **kwargs)
+
+    def counted_dropout(*args, **kwargs):
+        calls["torch dropout"] += 1
+        return torch_dropout(*args, **kwargs)
 
     def counted_mask(*args):
         calls["cpu mask"] += 1
         return cpu_mask(*args)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counted_fused)
+    monkeypatch.setattr(F, "dropout", counted_dropout)
     monkeypatch.setattr(dropout._CpuDropout, "apply", counted_mask)
     d = model.decoder.dictionary
     src, tgt = random_tokens(d, 4, 7), random_tokens(d, 4, 6)
@@ -151,15 +159,20 @@ def test_retain_dropout_keeps_every_dropout_on_in_inference(monkeypatch):
     (first, second), calls = two_inference_passes(model, monkeypatch)
     assert not torch.allclose(first, second)
     # two passes: 2 embeddings + 2 x 2 encoder and 2 x 3 decoder sub-layers + 2 x 2 + 2 feed-forward
-    # networks draw the CPU mask; 2 encoder and 2 x 2 decoder attentions the fused kernel's
-    assert calls == {"cpu mask": 2 * (2 + 2 * 2 + 2 * 3 + 4), "fused with dropout": 2 * 6}
+    # networks draw the CPU mask; 2 encoder and 2 x 2 decoder attentions drop attention weights,
+    # all in the fused kernel but the decoder's last source attention (written out)
+    assert calls == {"cpu mask": 2 * (2 + 2 * 2 + 2 * 3 + 4), "fused with dropout": 2 * 5,
+                     "torch dropout": 2 * 1}
 
 
 # --retain-dropout-modules from the command line is one string (fairseq does not parse it)
 @pytest.mark.parametrize("modules, owner, calls", [
-    (["MultiHeadedAttention"], "MultiHeadedAttention", {"cpu mask": 0, "fused with dropout": 12}),
-    ("MultiHeadedAttention", "MultiHeadedAttention", {"cpu mask": 0, "fused with dropout": 12}),
-    ('["SublayerConnection"]', "SublayerConnection", {"cpu mask": 20, "fused with dropout": 0}),
+    (["MultiHeadedAttention"], "MultiHeadedAttention",
+     {"cpu mask": 0, "fused with dropout": 10, "torch dropout": 2}),
+    ("MultiHeadedAttention", "MultiHeadedAttention",
+     {"cpu mask": 0, "fused with dropout": 10, "torch dropout": 2}),
+    ('["SublayerConnection"]', "SublayerConnection",
+     {"cpu mask": 20, "fused with dropout": 0, "torch dropout": 0}),
 ], ids=["list", "string", "list as a string"])
 def test_retain_dropout_modules_keeps_only_the_named_owners_dropout_on(modules, owner, calls,
                                                                       monkeypatch):
@@ -173,4 +186,5 @@ def test_without_retain_dropout_inference_drops_nothing(monkeypatch):
     model = prepared_for_inference(retain_dropout=False)
     assert retained(model) == set()
     (first, second), calls = two_inference_passes(model, monkeypatch)
-    assert torch.equal(first, second) and calls == {"cpu mask": 0, "fused with dropout": 0}
+    assert torch.equal(first, second) and calls == {"cpu mask": 0, "fused with dropout": 0,
+                                                    "torch dropout": 0}
