@@ -54,7 +54,7 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         self.padding_idx = dictionary.pad()
         self.embed = embed  # the notebook's src_embed: Embeddings and PositionalEncoding
         self.layers = nn.ModuleList(layers)
-        self.norm = norm  # pre-LN's final LayerNorm (None with --post-norm)
+        self.norm = norm  # pre-LN's final LayerNorm (None when post-LN)
         self.skip_padding = True  # in training, position-wise work on real tokens only (packing.py)
         self.beam_size = 1  # set by fairseq's SequenceGenerator, through the model
 
@@ -149,7 +149,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         self.padding_idx = dictionary.pad()
         self.embed = embed  # the notebook's tgt_embed: Embeddings and PositionalEncoding
         self.layers = nn.ModuleList(layers)
-        self.norm = norm  # pre-LN's final LayerNorm (None with --post-norm)
+        self.norm = norm  # pre-LN's final LayerNorm (None when post-LN)
         self.generator = generator
         self.skip_padding = True  # in training, position-wise work on real tokens only (packing.py)
         # outside training, return the alignment layer's source attention, as fairseq's
