@@ -307,6 +307,6 @@ def test_a_post_ln_export_is_refused_in_one_line_where_fairseq_cannot_run_it(
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("annotated-export-fairseq: error: cannot export: fairseq 0.12.2's "
                            "transformer fails on this model (Mask Type should be defined)")
-    assert "fairseq #4858" in last and "export a pre-LN model" in last
+    assert "fairseq #4858" in last and "export a model with a pre-LN encoder" in last
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "post.pt").exists()
