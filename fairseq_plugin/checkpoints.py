@@ -88,7 +88,7 @@ def load_plain(path: str) -> dict:
 
 
 def check_output_file(path: str, force: bool, example: str) -> None:
-    """One line for a checkpoint ``--output`` that may not be written: a directory (``example``
+    """One line for an ``--output`` file that may not be written: a directory (``example``
     names a file in it), or an existing file without ``--force``."""
     if os.path.isdir(path):
         raise PluginError(f"--output {path} is a directory; give a file name, e.g. "

@@ -16,6 +16,7 @@ import functools
 import os
 import sys
 
+from ..checkpoints import check_output_file
 from ..errors import PluginError, exit_in_one_line
 from .common import check_checkpoint, fairseq_cli, plugin_dir, prepared_settings, run
 
@@ -81,9 +82,8 @@ def main(argv=None):
     p.add_argument("--output", help="write the detokenised hypotheses here")
     args = p.parse_args(argv)
     try:
-        if args.output and os.path.isdir(args.output):  # before the whole test set is decoded
-            raise PluginError(f"--output {args.output} is a directory; give a file name, e.g. "
-                              f"{os.path.join(args.output, 'hypotheses.txt')}")
+        if args.output:  # before the whole test set is decoded; a text file, overwritten
+            check_output_file(args.output, force=True, example="hypotheses.txt")
         hyps, settings = generate_detokenised(args.data_bin, args.checkpoint, args.beam,
                                               subset=args.subset,
                                               extra=["--lenpen", str(args.lenpen)],
