@@ -1,11 +1,13 @@
 """The Annotated Transformer's pieces, written plainly: read these first.
 
 Each function or class here is one concept of the notebook, as short as it can be, with no
-fairseq, no cache and no speed work. The fairseq model (models/, modules/) computes the same
-things faster; the tests use these as the oracle it must agree with:
+cache and no speed work, and (but for ``greedy_decode``, which drives a fairseq_plugin model) no
+fairseq. The fairseq model (models/, modules/) computes the same things faster; the tests use
+these as the oracle it must agree with:
 
 - ``attention`` and ``MultiHeadedAttention``: scaled dot-product and multi-head attention;
 - ``subsequent_mask``: what the decoder's self-attention may see;
+- ``positional_encoding``: the sinusoids added to the embeddings;
 - ``LabelSmoothing``: the smoothed target distribution and its KL divergence;
 - ``greedy_decode``: decoding one token at a time by re-running the decoder over the prefix.
 
@@ -40,9 +42,21 @@ def subsequent_mask(size: int) -> Tensor:
     return torch.ones(1, size, size, dtype=torch.bool).tril()
 
 
+def positional_encoding(length: int, d_model: int) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i / d_model)), PE(pos, 2i + 1) = cos(pos / 10000^(2i / d_model))
+    (section 3.5), for positions 0 .. length - 1: (length, d_model), in float64."""
+    pos = torch.arange(length, dtype=torch.float64)[:, None]  # (length, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d_model / 2,)
+    angle = pos / 10000 ** (two_i / d_model)  # (length, d_model / 2)
+    pe = torch.empty(length, d_model, dtype=torch.float64)
+    pe[:, 0::2], pe[:, 1::2] = angle.sin(), angle.cos()
+    return pe
+
+
 class MultiHeadedAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W^Q_i, K W^K_i,
-    V W^V_i) (section 3.2.2), with four separate d_model x d_model matrices."""
+    V W^V_i) (section 3.2.2), with four separate matrices (W^K and W^V read d_memory-wide inputs
+    when the encoder is wider than the decoder)."""
 
     def __init__(self, h: int, d_model: int, d_memory: Optional[int] = None):
         super().__init__()
@@ -67,25 +81,6 @@ class MultiHeadedAttention(nn.Module):
         # 3) concatenate the heads and apply W^O
         return self.w_o(out.transpose(1, 2).reshape(B, -1, self.h * self.d_k)), weights
 
-    @classmethod
-    def like(cls, fast: nn.Module) -> "MultiHeadedAttention":
-        """This plain module with the weights of a fairseq_plugin MultiHeadedAttention, whose
-        W^Q, W^K, W^V are stored side by side."""
-        d_model = fast.h * fast.d_k
-        if fast.self_attention:  # [W^Q; W^K; W^V]
-            weights, biases = fast.qkv_proj.weight.chunk(3), fast.qkv_proj.bias.chunk(3)
-        else:  # W^Q and [W^K; W^V], whose inputs may be wider (d_memory)
-            weights = (fast.q_proj.weight, *fast.kv_proj.weight.chunk(2))
-            biases = (fast.q_proj.bias, *fast.kv_proj.bias.chunk(2))
-        plain = cls(fast.h, d_model,
-                    d_memory=None if fast.self_attention else fast.kv_proj.in_features)
-        with torch.no_grad():
-            for linear, w, b in zip((plain.w_q, plain.w_k, plain.w_v), weights, biases):
-                linear.weight.copy_(w)
-                linear.bias.copy_(b)
-            plain.w_o.load_state_dict(fast.out_proj.state_dict())
-        return plain
-
 
 class LabelSmoothing(nn.Module):
     """KL divergence between the model's log-probabilities and a smoothed target (section 5.4):
@@ -97,7 +92,7 @@ class LabelSmoothing(nn.Module):
         self.vocab_size, self.padding_idx, self.smoothing = vocab_size, padding_idx, smoothing
 
     def target_distribution(self, target: Tensor) -> Tensor:
-        """target (N,) -> (N, V)"""
+        """target (N,) tokens -> (N, V)"""
         dist = torch.full((target.numel(), self.vocab_size), self.smoothing / (self.vocab_size - 2),
                           device=target.device)
         dist.scatter_(1, target[:, None], 1.0 - self.smoothing)
@@ -106,7 +101,7 @@ class LabelSmoothing(nn.Module):
         return dist
 
     def forward(self, lprobs: Tensor, target: Tensor) -> Tensor:
-        """lprobs (N, V) log-probabilities, target (N,) -> the summed KL divergence."""
+        """lprobs (N, V) log-probabilities of N tokens, target (N,) -> the summed KL divergence."""
         q = self.target_distribution(target).to(lprobs.dtype)
         return nn.functional.kl_div(lprobs, q, reduction="sum")
 

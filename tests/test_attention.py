@@ -11,12 +11,31 @@ from fairseq_plugin.modules.attention import (
     MultiHeadedAttention,
     causal_mask,
     choose_kernel,
+    explicit_attention,
 )
 
 
+def plain_copy(fast: MultiHeadedAttention) -> reference.MultiHeadedAttention:
+    """The notebook's MultiHeadedAttention (fairseq_plugin.reference) with the weights of ``fast``,
+    which stores W^Q, W^K, W^V side by side."""
+    if fast.self_attention:  # [W^Q; W^K; W^V]
+        weights, biases = fast.qkv_proj.weight.chunk(3), fast.qkv_proj.bias.chunk(3)
+    else:  # W^Q and [W^K; W^V], whose inputs may be wider (d_memory)
+        weights = (fast.q_proj.weight, *fast.kv_proj.weight.chunk(2))
+        biases = (fast.q_proj.bias, *fast.kv_proj.bias.chunk(2))
+    plain = reference.MultiHeadedAttention(
+        fast.h, fast.h * fast.d_k, d_memory=None if fast.self_attention else fast.kv_proj.in_features)
+    with torch.no_grad():
+        for linear, w, b in zip((plain.w_q, plain.w_k, plain.w_v), weights, biases):
+            linear.weight.copy_(w)
+            linear.bias.copy_(b)
+        plain.w_o.load_state_dict(fast.out_proj.state_dict())
+    return plain
+
+
 def seed_formula(x, memory, attn, mask=None):
-    """The notebook's MultiHeadedAttention (fairseq_plugin.reference) with attn's weights."""
-    plain = reference.MultiHeadedAttention.like(attn)
+    """The notebook's MultiHeadedAttention with attn's weights, applied."""
+    plain = plain_copy(attn)
     source = x if attn.self_attention else memory
     return plain(x, source, source, mask)
 
@@ -26,10 +45,10 @@ def pad_mask(pad):
     return ~pad[:, None, None, :]
 
 
-@pytest.mark.parametrize("self_attention, memory_dim", [(True, None), (False, None), (False, 48)])
-def test_attention_equals_the_seed_formula(self_attention, memory_dim):
-    attn = MultiHeadedAttention(4, 32, self_attention=self_attention, memory_dim=memory_dim).eval()
-    x, memory = torch.randn(3, 5, 32), torch.randn(3, 7, memory_dim or 32)
+@pytest.mark.parametrize("self_attention, d_memory", [(True, None), (False, None), (False, 48)])
+def test_attention_equals_the_seed_formula(self_attention, d_memory):
+    attn = MultiHeadedAttention(4, 32, self_attention=self_attention, d_memory=d_memory).eval()
+    x, memory = torch.randn(3, 5, 32), torch.randn(3, 7, d_memory or 32)
     out, _ = attn(x, None if self_attention else memory)
     expected, _ = seed_formula(x, memory, attn)
     assert torch.allclose(out, expected, atol=1e-5)
@@ -145,6 +164,24 @@ def test_half_precision_gives_no_inf_and_stays_close_to_fp32(dtype, need_weights
     assert (out.float() - ref).abs().max() < tol
 
 
+@pytest.mark.parametrize("dtype", CPU_HALF_DTYPES)
+def test_written_out_attention_scores_half_precision_inputs_in_fp32(dtype):
+    """Scores beyond fp16's largest number (65504) still give the fp32 result: the scores and the
+    softmax are computed in fp32, and the weights come back in fp32."""
+    g = torch.Generator().manual_seed(0)
+    q = (300 * torch.rand(2, 4, 3, 16, generator=g)).to(dtype)  # q.k / 4 up to 3.6e5
+    k = (300 * torch.rand(2, 4, 5, 16, generator=g)).to(dtype)
+    v = torch.randn(2, 4, 5, 16, generator=g).to(dtype)
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    mask[0, ..., 3:] = False
+    out, weights = explicit_attention(q, k, v, mask)
+    expected_out, expected_weights = reference.attention(q.double(), k.double(), v.double(), mask)
+    assert weights.dtype == torch.float32 and out.dtype == dtype
+    assert (q.float() @ k.float().transpose(-2, -1)).max() / 4 > 65504  # it would overflow fp16
+    assert torch.allclose(weights.double(), expected_weights, atol=1e-4)
+    assert torch.allclose(out.double(), expected_out, atol=0.05)
+
+
 def test_heads_must_divide_d_model():
     with pytest.raises(ValueError, match="d_model 32 is not a multiple of h = 3"):
         MultiHeadedAttention(3, 32)
@@ -189,7 +226,7 @@ def test_fused_and_written_out_kernels_agree_with_masks(causal, padded, monkeypa
 def test_separate_widths_initialise_each_projection_as_its_own_glorot_matrix():
     """Encoder width 128, decoder width 96: W^K and W^V of the source attention are 96 x 128."""
     torch.manual_seed(0)
-    attn = MultiHeadedAttention(4, 96, self_attention=False, memory_dim=128)
+    attn = MultiHeadedAttention(4, 96, self_attention=False, d_memory=128)
     w_k, w_v = attn.kv_proj.weight.split(96, dim=0)
     bound = math.sqrt(6.0 / (96 + 128))  # Glorot uniform for a 96 x 128 matrix
     for w in (w_k, w_v):

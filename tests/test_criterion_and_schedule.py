@@ -71,6 +71,31 @@ def test_criterion_in_fairseq_is_the_notebooks_label_smoothing_of_the_models_out
     assert float(log["loss"]) == pytest.approx(float(loss), rel=1e-6)
 
 
+def test_criterion_keeps_fairseqs_report_accuracy_ignore_prefix_size_and_sentence_avg():
+    """The options label_smoothed_cross_entropy users pass work the same here."""
+    d = make_dictionary()
+    model = build_tiny_model(d).eval()
+    task = Namespace(target_dictionary=d)
+    src, tgt = random_tokens(d, 3, 6), random_tokens(d, 3, 5)
+    prev = torch.cat([torch.full((3, 1), d.eos()), tgt[:, :-1]], 1)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((3,), 6),
+                            "prev_output_tokens": prev}, "target": tgt, "ntokens": 15}
+    lprobs = model.get_normalized_probs(model(**sample["net_input"]), log_probs=True).double()
+    # --report-accuracy: the argmax hits among the target tokens
+    _, _, log = AnnotatedLabelSmoothingCriterion(task, False, 0.1, report_accuracy=True)(
+        model, sample)
+    assert (log["n_correct"], log["total"]) == (int(lprobs.argmax(-1).eq(tgt).sum()), 15)
+    # --ignore-prefix-size 2: the first two target tokens are not scored
+    loss, _, _ = AnnotatedLabelSmoothingCriterion(task, False, 0.1, ignore_prefix_size=2)(
+        model, sample)
+    expected = LabelSmoothing(len(d), d.pad(), 0.1)(lprobs[:, 2:].reshape(-1, len(d)),
+                                                    tgt[:, 2:].reshape(-1))
+    assert torch.allclose(loss.double(), expected, rtol=1e-5)
+    # --sentence-avg: the gradient is normalised by sentences, not tokens
+    _, sample_size, _ = AnnotatedLabelSmoothingCriterion(task, True, 0.1)(model, sample)
+    assert sample_size == 3
+
+
 class _Optimizer(FairseqOptimizer):
     def __init__(self):
         super().__init__(cfg=None)

@@ -70,6 +70,7 @@ def test_noam_under_hydra_follows_the_formula_with_the_models_d_model(runs):
     log = runs["hydra"].stdout + runs["hydra"].stderr
     assert "noam: lr = 1.0 * 64^-0.5 * min(step^-0.5, step * 200^-1.5)" in log
     updates = logged_updates(runs["hydra"])
+    assert len(updates) >= 10
     # fairseq logs the rate set after each update, for the next one (6 significant digits)
     for update, (_, lr) in updates.items():
         assert lr == pytest.approx(noam_rate(update, 64, 1.0, 200), rel=1e-5), update
@@ -174,7 +175,7 @@ def test_an_unknown_option_is_refused_at_start_up_in_one_line(data_bin, tmp_path
                                                               message):
     proc = hydra_train(data_bin, tmp_path, override, check=False)
     assert proc.returncode != 0
-    if message.startswith("unknown option"):
+    if message.startswith("unknown"):  # ours
         assert_last_words(proc, message)
     else:  # hydra's own refusal, in its own words over a few lines
         assert message in proc.stderr

@@ -230,7 +230,7 @@ def test_a_stale_beam_size_does_not_group_different_sentences():
     assert greedy() == fresh
     # (greedy search reorders nothing while no sentence finishes;) a reorder of distinct
     # sentences in pairs does not make groups of 2 either
-    from fairseq_plugin.models.annotated_transformer import beam_group
+    from fairseq_plugin.modules.cache import beam_group
     with torch.no_grad():
         swapped = model.encoder.reorder_encoder_out(model.encoder(src, lengths),
                                                     torch.tensor([1, 0, 3, 2]))
@@ -629,7 +629,7 @@ def test_fused_kernel_in_decoding_steps_equals_the_written_out_formula():
 
 
 def test_encoder_reorders_copy_only_when_rows_change_and_mark_only_true_copies():
-    from fairseq_plugin.models.annotated_transformer import beam_group
+    from fairseq_plugin.modules.cache import beam_group
 
     d = make_dictionary()
     model = build_tiny_model(d)

@@ -10,7 +10,7 @@ from fairseq_plugin.criterions.annotated_label_smoothing import annotated_label_
 def padded_batch(d):
     src = random_tokens(d, 4, 9)
     src[1, :5] = d.pad()  # left padding
-    src[3, :] = d.pad()  # a sentence that is all padding
+    src[3, :] = d.pad()  # a sentence that is all padding but its end-of-sentence token
     src[3, -1] = d.eos()
     tgt = random_tokens(d, 4, 7)
     tgt[2, 4:] = d.pad()

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import fairseq_plugin
+from fairseq_plugin import reference
+from fairseq_plugin.modules.embeddings import SinusoidalPositionalEncoding
 from conftest import build_tiny_model, make_dictionary, random_tokens
 from fairseq_plugin.criterions.annotated_label_smoothing import AnnotatedLabelSmoothingCriterion
 from fairseq_plugin.errors import PluginError
@@ -152,6 +154,18 @@ def test_a_misspelled_model_option_is_refused_with_the_closest_name():
 def test_share_all_embeddings_needs_a_joined_dictionary():
     with pytest.raises(PluginError, match="--joined-dictionary"):
         build_tiny_model(make_dictionary(30), make_dictionary(31), share_all_embeddings=True)
+    renamed = make_dictionary(30)  # as many symbols, but not the same ones
+    renamed.symbols[-1] = "another"
+    renamed.indices = {symbol: i for i, symbol in enumerate(renamed.symbols)}
+    with pytest.raises(PluginError, match="--joined-dictionary"):
+        build_tiny_model(make_dictionary(30), renamed, share_all_embeddings=True)
+    build_tiny_model(make_dictionary(30), make_dictionary(30), share_all_embeddings=True)  # equal
+
+
+def test_share_all_embeddings_needs_equal_widths():
+    with pytest.raises(PluginError, match=r"--encoder-embed-dim \(32\) equal to "
+                                          r"--decoder-embed-dim \(64\)"):
+        build_tiny_model(share_all_embeddings=True, encoder_embed_dim=32, decoder_embed_dim=64)
 
 
 def test_alignment_supervision_is_refused_in_one_line():
@@ -272,17 +286,57 @@ def test_the_position_limits_hold_without_positional_encodings():
         model.encoder(random_tokens(make_dictionary(), 1, 11))
 
 
-def test_a_decoding_step_past_the_target_positions_is_a_clear_error():
+def test_the_sinusoidal_table_is_the_papers_formula():
+    """SinusoidalPositionalEncoding's table (the notebook's exp-log form, in fp32) against
+    reference.positional_encoding (the formula of section 3.5 in float64) and a few values by
+    hand: PE(pos, 0) = sin(pos), PE(pos, 1) = cos(pos), PE(pos, 62) = sin(pos / 10000^(62/64))."""
+    table = SinusoidalPositionalEncoding(64, 300).table(torch.float32, torch.device("cpu"))
+    expected = reference.positional_encoding(300, 64)
+    assert table.shape == expected.shape == (300, 64)
+    assert (table.double() - expected).abs().max() < 1e-4  # fp32 angles up to 299 radians
+    for pos in (0, 1, 7, 299):
+        assert math.isclose(table[pos, 0], math.sin(pos), abs_tol=1e-4)
+        assert math.isclose(table[pos, 1], math.cos(pos), abs_tol=1e-4)
+        assert math.isclose(table[pos, 62], math.sin(pos / 10000 ** (62 / 64)), abs_tol=1e-4)
+        assert math.isclose(expected[pos, 63], math.cos(pos / 10000 ** (62 / 64)), abs_tol=1e-9)
+
+
+def test_a_decoding_step_past_learned_target_positions_is_a_clear_error():
     d = make_dictionary()
-    model = build_tiny_model(d, max_target_positions=8)
+    model = build_tiny_model(d, max_target_positions=8, decoder_learned_pos=True)
     src = random_tokens(d, 1, 4)
     prefix = torch.cat([torch.full((1, 1), d.eos()), random_tokens(d, 1, 8)], dim=1)  # 9 tokens
     state = {}
     with torch.no_grad():
-        model.decoder(prefix[:, :8], model.encoder(src), incremental_state=state)  # 8: allowed
-        with pytest.raises(PluginError, match="target sentence has 9 tokens .* at most 8 "
-                                              r"\(--max-target-positions\)"):
+        for t in range(1, 9):  # 8 tokens: allowed
+            model.decoder(prefix[:, :t], model.encoder(src), incremental_state=state)
+        with pytest.raises(PluginError, match="a target of 9 tokens is past this model's 8 "
+                                              r"learned positions \(--max-target-positions\); "
+                                              "beam search goes past them only under "
+                                              "--match-source-len"):
             model.decoder(prefix, model.encoder(src), incremental_state=state)
+
+
+def test_match_source_len_decodes_past_sinusoidal_target_positions_like_a_longer_limit():
+    """fairseq's --match-source-len does not cap the length at --max-target-positions; fairseq's
+    transformer then computes further sinusoids, and so does this model: its hypotheses are those
+    of the same weights with a limit long enough."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    d = make_dictionary()
+    limited = build_tiny_model(d, max_source_positions=16, max_target_positions=8)
+    longer = build_tiny_model(d, max_source_positions=16, max_target_positions=64)
+    longer.load_state_dict(limited.state_dict())
+    src = random_tokens(d, 2, 12)
+    src[:, -1] = d.eos()
+    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((2,), 12)}}
+    hypotheses = []
+    for model in (limited, longer):
+        generator = SequenceGenerator([model], d, beam_size=2, match_source_len=True)
+        hypotheses.append([[h["tokens"] for h in sentence]
+                           for sentence in generator.generate([model], sample)])
+    assert [len(h) for h in hypotheses[0][0]] == [13, 13]  # 12 tokens and eos: past 8
+    assert all(torch.equal(a, b) for x, y in zip(*hypotheses) for a, b in zip(x, y))
 
 
 def test_a_working_transformer_command_builds_and_trains_with_the_annotated_arch(tmp_path):
@@ -329,7 +383,7 @@ def test_a_working_transformer_command_builds_and_trains_with_the_annotated_arch
     assert layer.feed_forward.w_1.weight.shape == (1024, 512) and layer.self_attn.h == 4
     assert model.encoder.embed.positional.max_positions == 256
     assert type(model.decoder.embed.positional).__name__ == "LearnedPositionalEncoding"
-    assert model.encoder.embed.embeddings.scale == 1.0  # --no-scale-embedding
+    assert model.encoder.embed.embeddings.factor == 1.0  # --no-scale-embedding
     assert model.decoder.generator.proj.weight is model.decoder.embed.embeddings.lut.weight
     src, tgt = random_tokens(d, 4, 7), random_tokens(d, 4, 6)
     sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((4,), 7),
@@ -446,6 +500,19 @@ def test_skipping_padding_changes_no_result(left_pad_target):
     assert torch.allclose(packed, plain, atol=1e-5)
     for a, b in zip(packed_grads, plain_grads):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_a_batch_is_packed_only_where_enough_of_it_is_padding():
+    """Packing pays for its copies only from MIN_PADDING_SHARE (2 %) of padded positions up."""
+    from fairseq_plugin.modules.packing import NO_PACKING, RealPositions, packing_for
+
+    padding = torch.zeros(10, 10, dtype=torch.bool)
+    padding[0, :1] = True  # 1 %
+    assert packing_for(padding) is NO_PACKING
+    padding[0, :3] = True  # 3 %
+    assert isinstance(packing_for(padding), RealPositions)
+    assert packing_for(padding, enabled=False) is NO_PACKING
+    assert packing_for(None) is NO_PACKING
 
 
 def test_packed_training_runs_the_layers_own_forward():

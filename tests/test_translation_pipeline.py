@@ -127,16 +127,32 @@ def test_prepare_of_the_bundled_corpus_outside_the_repository_says_where_to_run_
     assert os.listdir(tmp_path) == []
 
 
+def test_prepare_reads_gzipped_text_as_the_plain_text(tmp_path):
+    """RAW/train.de.gz serves for RAW/train.de (the bundled sample is gzipped)."""
+    write_slice(tmp_path / "plain", n_train=20, n_eval=5, byte_order_mark=("train.de",))
+    (tmp_path / "gz").mkdir()
+    for lang in ("de", "en"):
+        with open(tmp_path / "plain" / f"train.{lang}", "rb") as f, \
+                gzip.open(tmp_path / "gz" / f"train.{lang}.gz", "wb") as out:
+            out.write(f.read())
+    plain = prepare_translation.read_parallel(str(tmp_path / "plain"), "train", "de", "en")
+    zipped = prepare_translation.read_parallel(str(tmp_path / "gz"), "train", "de", "en")
+    assert zipped == plain and len(plain[0]) == 20
+    assert not plain[0][0].startswith("\ufeff")  # the byte order mark is not text
+
+
 def test_prepare_refuses_missing_and_empty_input_and_a_non_empty_destination(tmp_path):
     splits = {"train": "train", "valid": "valid", "test": "test"}
     write_slice(tmp_path / "raw", n_train=50, n_eval=5)
     os.remove(tmp_path / "raw" / "test.en")
     with pytest.raises(prepare_translation.PrepareError, match="missing file .*test.en"):
         prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "a"), "de", "en", splits)
+    assert not (tmp_path / "a").exists()  # refused before anything is written
     for lang in ("de", "en"):
         open(tmp_path / "raw" / f"test.{lang}", "w").close()
     with pytest.raises(prepare_translation.PrepareError, match="are empty"):
         prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "b"), "de", "en", splits)
+    assert not (tmp_path / "b").exists()
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "keep.txt").write_text("mine")
     for force in (False, True):  # a folder of other files is never replaced
@@ -378,6 +394,18 @@ def test_averaging_refuses_different_architectures(trained, tmp_path):
     with pytest.raises(PluginError, match="different architectures: .* is "
                                           "annotated_transformer_tiny, .* is transformer"):
         average_checkpoints.average([str(ckpt / "checkpoint1.pt"), str(tmp_path / "other.pt")])
+
+
+def test_the_last_checkpoints_are_picked_by_number_not_by_name(tmp_path):
+    """checkpoint10.pt is newer than checkpoint9.pt; checkpoint_best/last.pt are not epochs."""
+    for name in ("checkpoint9.pt", "checkpoint10.pt", "checkpoint2.pt", "checkpoint_best.pt",
+                 "checkpoint_last.pt", "checkpoint_1_900.pt", "checkpoint_2_1000.pt",
+                 "checkpoint_1_500.pt", "checkpoint_3_1000.pt.tmp"):
+        (tmp_path / name).touch()
+    assert average_checkpoints.last_checkpoints(str(tmp_path), 2) == [
+        str(tmp_path / "checkpoint9.pt"), str(tmp_path / "checkpoint10.pt")]
+    assert average_checkpoints.last_checkpoints(str(tmp_path), 2, by_update=True) == [
+        str(tmp_path / "checkpoint_1_900.pt"), str(tmp_path / "checkpoint_2_1000.pt")]
 
 
 def test_averaging_refuses_to_overwrite_and_to_average_too_few(trained, tmp_path):

@@ -79,5 +79,5 @@ class AnnotatedLabelSmoothingCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def compute_loss(self, model, net_output, sample, reduce=True):
         lprobs, target = self.get_lprobs_and_target(model, net_output, sample)
-        return annotated_label_smoothing_loss(lprobs, target.view(-1), self.eps, self.padding_idx,
+        return annotated_label_smoothing_loss(lprobs, target, self.eps, self.padding_idx,
                                               reduce=reduce)

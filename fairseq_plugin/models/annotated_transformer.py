@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ..errors import PluginError
 from ..modules.attention import IncrementalState, MultiHeadedAttention
-from ..modules.cache import Ancestry, BeamReorder, repeats_rows
+from ..modules.cache import Ancestry, BeamReorder, beam_group, reorder_encoder_rows
 from ..modules.embeddings import (
     EmbeddingLayer,
     Embeddings,
@@ -45,7 +45,7 @@ from .config import (AnnotatedTransformerConfig, add_unsupported_transformer_fla
 
 
 class AnnotatedTransformerEncoder(FairseqEncoder):
-    """"The encoder is composed of a stack of N identical layers." (section 3.1) Built by
+    """"The encoder is composed of a stack of N = 6 identical layers." (section 3.1) Built by
     ``AnnotatedTransformerModel.make_model``."""
 
     def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[EncoderLayer],
@@ -65,7 +65,7 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         padding_mask = src_tokens.eq(self.padding_idx)  # (B, S), True at padding
         # the notebook's src_mask, True at real tokens, made once for the encoder and the decoder
         mask = ~padding_mask[:, None, None, :] if padding_mask.any() else None  # (B, 1, 1, S)
-        x = self.embed(src_tokens, self.embed.positions(src_tokens))
+        x = self.embed(src_tokens)  # (B, S, d)
         states = [x] if return_all_hiddens else []
         # in training, position-wise work on real tokens only (modules/packing.py)
         packing = packing_for(padding_mask, self.skip_padding and self.training)
@@ -88,26 +88,9 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
 
     @torch.jit.unused
     def reorder_encoder_out(self, encoder_out: Dict[str, List[Tensor]], new_order: Tensor):
-        """Row i of the result is row new_order[i] of encoder_out.
-
-        Beam search first repeats every sentence beam_size times, in consecutive rows: those rows
-        are copies, which ``"beam_group": [g]`` records. Its later reorders keep every hypothesis
-        in its sentence's group, so they change nothing here and copy nothing; when sentences
-        finish, their groups are dropped.
-        """
-        group = beam_group(encoder_out)
-        rows = encoder_out["encoder_out"][0].size(0) // group
-        kept, moves = BeamReorder(new_order).plan(group, rows)  # (shared with the decoder's)
-        if not moves:
-            return encoder_out
-        reordered = {key: [t.index_select(0, new_order) for t in value]
-                     for key, value in encoder_out.items() if key != "beam_group"}
-        # not grouped yet, or a row left its group: grouped from now on only when this reorder
-        # makes groups of beam_size copies of one row (beam search's first reorder does)
-        if kept is None or group == 1:
-            group = self.beam_size if repeats_rows(new_order, self.beam_size) else 1
-        reordered["beam_group"] = [torch.tensor(group)] if group > 1 else []
-        return reordered
+        """Row i of the result is row new_order[i] of encoder_out; beam search's beam_size copies
+        of a sentence are not copied again at every step (modules/cache.py)."""
+        return reorder_encoder_rows(encoder_out, new_order, self.beam_size)
 
     def max_positions(self) -> int:
         return self.embed.max_positions
@@ -119,13 +102,6 @@ def source_mask(encoder_out: Dict[str, List[Tensor]]) -> Optional[Tensor]:
     return mask[0] if mask else None
 
 
-def beam_group(encoder_out: Dict[str, List[Tensor]]) -> int:
-    """g when the rows of encoder_out come in groups of g copies of one sentence (beam search),
-    else 1."""
-    group = encoder_out.get("beam_group")
-    return int(group[0]) if group else 1
-
-
 def average_heads(attn: Optional[Tensor], heads: Optional[int]) -> Optional[Tensor]:
     """fairseq's alignment: the source attention (B, h, T, S) averaged over its first ``heads``
     heads (all when None) -> (B, T, S)."""
@@ -135,7 +111,7 @@ def average_heads(attn: Optional[Tensor], heads: Optional[int]) -> Optional[Tens
 
 
 class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
-    """"The decoder is also composed of a stack of N identical layers." (section 3.1) Built by
+    """"The decoder is also composed of a stack of N = 6 identical layers." (section 3.1) Built by
     ``AnnotatedTransformerModel.make_model``.
 
     With fairseq's ``incremental_state`` it decodes one token per call, reusing the keys and
@@ -185,21 +161,21 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         # is left-padded (right padding follows every real token, so the causal mask hides it);
         # its subsequent_mask part is the self-attention's causal=True (attention.py: attend).
         src_mask = source_mask(encoder_out)  # (B, 1, 1, S) or None
+        step = None  # a decoding step's position: one for all rows
         if incremental_state is None:
-            positions = self.embed.positions(prev_output_tokens)  # (B, T)
             tgt_padding = prev_output_tokens.eq(self.padding_idx)  # (B, T)
             left_padded = bool((tgt_padding[:, :-1] & ~tgt_padding[:, 1:]).any())
             tgt_mask = ~tgt_padding[:, None, None, :] if left_padded else None
         else:  # a decoding step: only the newest token is new, and it has nothing to hide
-            positions = self.embed.step_position(prev_output_tokens)  # one for all rows
+            step = self.embed.step_position(prev_output_tokens)
             prev_output_tokens, tgt_padding, tgt_mask = prev_output_tokens[:, -1:], None, None
             self.begin_step(incremental_state, encoder_out, prev_output_tokens.size(0))
 
-        memory = encoder_out["encoder_out"][0]  # (B, S, d_enc)
+        memory = encoder_out["encoder_out"][0]  # (B, S, d_memory)
         want_attn = alignment_layer is not None or (self.need_attn and not self.training)
         if alignment_layer is None:
             alignment_layer = len(self.layers) - 1
-        x = self.embed(prev_output_tokens, positions)  # (B, T, d)
+        x = self.embed(prev_output_tokens, step)  # (B, T, d); a full pass counts positions
         # in training, position-wise work on real tokens only (modules/packing.py)
         packing = packing_for(tgt_padding, self.skip_padding and self.training and not want_attn)
         x = packing.pack(x)
@@ -214,7 +190,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         x = packing.unpack(x)
         if self.norm is not None:  # pre-LN's final LayerNorm
             x = self.norm(x)
-        inner_states = [packing.unpack(s) for s in inner_states]  # fairseq's, (B, T, d) each
+        inner_states = [packing.unpack(s) for s in inner_states]  # (B, T, d) each: batch-first, unlike fairseq's transformer
         return x, {"attn": [average_heads(attn, alignment_heads)], "inner_states": inner_states}
 
     def output_layer(self, features: Tensor) -> Tensor:
@@ -329,7 +305,7 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
             embed=_embedding_layer(args, tgt_tokens, "target"),
             layers=[DecoderLayer(d, MultiHeadedAttention(h, d, p_attn),
                                  MultiHeadedAttention(h, d, p_attn, self_attention=False,
-                                                      memory_dim=args.encoder_embed_dim),
+                                                      d_memory=args.encoder_embed_dim),
                                  _feed_forward(args, d, args.decoder_ffn_embed_dim),
                                  dropout, normalize_before=pre_ln)
                     for _ in range(args.decoder_layers)],

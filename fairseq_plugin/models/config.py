@@ -13,7 +13,6 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import OmegaConf
 
 from ..errors import PluginError, spelling_hint
-from ..modules.attention import check_heads_divide
 from ..modules.dropout import is_drop_probability
 
 DEFAULT_MAX_POSITIONS = 1024
@@ -143,6 +142,16 @@ def check_task(task) -> None:
         raise PluginError("--load-alignments: alignment supervision reads the decoder's attention "
                           "weights in training, which annotated_transformer does not return; "
                           "drop --load-alignments, or train fairseq's transformer_align")
+
+
+def check_heads_divide(d_model: int, heads: int, flag_prefix: str) -> None:
+    """One line unless d_k = d_model / h is a whole number."""
+    if heads <= 0 or d_model % heads != 0:
+        divisor = max((h for h in range(1, max(heads, 1) + 1) if d_model % h == 0), default=1)
+        raise PluginError(
+            f"--{flag_prefix}-embed-dim {d_model} is not divisible by "
+            f"--{flag_prefix}-attention-heads {heads}; choose a number of heads that divides "
+            f"the model dimension (e.g. {divisor})")
 
 
 def _check_flags(args):

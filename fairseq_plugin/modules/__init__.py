@@ -1,5 +1,6 @@
 from .attention import MultiHeadedAttention, explicit_attention, causal_mask  # noqa: F401
 from .embeddings import (  # noqa: F401
+    EmbeddingLayer,
     Embeddings,
     Generator,
     LearnedPositionalEncoding,

@@ -2,7 +2,7 @@
 
 "An attention function can be described as mapping a query and a set of key-value pairs to an
 output ... We compute the matrix of outputs as Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V."
-(Vaswani et al. 2017, section 3.2.1)
+(Vaswani et al. 2017, sections 3.2 and 3.2.1)
 
 "Multi-head attention allows the model to jointly attend to information from different
 representation subspaces at different positions." MultiHead(Q, K, V) = Concat(head_1..head_h) W^O
@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor, nn
 
-from ..errors import PluginError
 from .cache import (Ancestry, BeamReorder, KeyValueCache, SelfAttentionCache,
                     SourceAttentionCache)
 from ..torch_release import TORCH_RELEASE
@@ -39,16 +38,6 @@ FUSED, EXPLICIT = "fused", "explicit"
 
 # fairseq's incremental_state: one dict for the whole decoder; this plugin's entries are caches
 IncrementalState = Dict[str, Any]
-
-
-def check_heads_divide(d_model: int, heads: int, flag_prefix: str) -> None:
-    """d_k = d_model / h must be a whole number (the model checks its flags with this)."""
-    if heads <= 0 or d_model % heads != 0:
-        divisor = max((h for h in range(1, max(heads, 1) + 1) if d_model % h == 0), default=1)
-        raise PluginError(
-            f"--{flag_prefix}-embed-dim {d_model} is not divisible by "
-            f"--{flag_prefix}-attention-heads {heads}; choose a number of heads that divides "
-            f"the model dimension (e.g. {divisor})")
 
 
 def causal_mask(query_len: int, key_len: int, device) -> Tensor:
@@ -138,7 +127,8 @@ def concat_heads(out: Tensor, group: int) -> Tensor:
 @with_incremental_state
 class MultiHeadedAttention(nn.Module):
     """Multi-head attention over h heads of size d_k = d_model / h ("In this work we employ h = 8
-    parallel attention layers, or heads. For each of these we use d_k = d_v = d_model / h = 64.").
+    parallel attention layers, or heads. For each of these we use d_k = d_v = d_model / h = 64."
+    section 3.2.2).
 
     Self-attention projects Q, K and V from one input with one matrix, the concatenation
     [W^Q; W^K; W^V] (one matrix product instead of three, as nanoGPT's ``c_attn``). Encoder-decoder
@@ -147,7 +137,7 @@ class MultiHeadedAttention(nn.Module):
     """
 
     def __init__(self, heads: int, d_model: int, dropout: float = 0.0, self_attention: bool = True,
-                 memory_dim: Optional[int] = None):
+                 d_memory: Optional[int] = None):
         super().__init__()
         if heads <= 0 or d_model % heads:
             raise ValueError(f"d_model {d_model} is not a multiple of h = {heads}")
@@ -158,7 +148,7 @@ class MultiHeadedAttention(nn.Module):
             self.qkv_proj = nn.Linear(d_model, 3 * d_model)  # [W^Q; W^K; W^V]
         else:
             self.q_proj = nn.Linear(d_model, d_model)  # W^Q
-            self.kv_proj = nn.Linear(memory_dim or d_model, 2 * d_model)  # [W^K; W^V]
+            self.kv_proj = nn.Linear(d_memory or d_model, 2 * d_model)  # [W^K; W^V]
         self.out_proj = nn.Linear(d_model, d_model)  # W^O
         # on the attention probabilities; the fused kernel takes its p and draws its own mask
         # (so not the CPU mask of dropout.py, which would apply to the written-out kernel alone)
@@ -198,6 +188,7 @@ class MultiHeadedAttention(nn.Module):
         kernel = choose_kernel(need_weights, self.kernel)
         out, weights = attend(group_queries(q, group), k, v, mask, causal, self.dropout, kernel)
         # 3) "concatenated and once again projected": (B, h, T, d_k) -> (B, T, d_model) -> W^O
+        #    (packed in training: the real rows (N, d_model) only)
         out = concat_heads(out, group)
         if weights is not None:
             weights = ungroup_queries(weights, group)  # (B, h, T, S)
@@ -240,8 +231,8 @@ class MultiHeadedAttention(nn.Module):
     def project(self, query: Tensor, memory: Optional[Tensor], cache: Optional[KeyValueCache],
                 packing: Packing) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         """Q (B, h, T, d_k) and K, V: self-attention's (B, h, T, d_k), or the source's
-        (B or B / g, h, S, d_k): one row per distinct row the cache keeps, or None when the cache
-        already has them. Packed query rows are projected as they are, then unpacked to (B, T)
+        (B or B / g, h, S, d_k): one row per distinct row its ``SourceAttentionCache`` keeps, or
+        None when the cache already has them. Packed query rows are projected as they are, then unpacked to (B, T)
         for attention."""
         if self.self_attention:
             return self.split_heads(packing.unpack(self.qkv_proj(query)), 3)

@@ -43,7 +43,7 @@ Shapes: B rows (hypotheses), g rows per group, h heads, d_k head size, S source 
 t steps cached, C capacity in steps.
 """
 
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -131,6 +131,38 @@ def _shared_plans(new_order: Tensor) -> dict:
     return plans
 
 
+def beam_group(encoder_out: Dict[str, List[Tensor]]) -> int:
+    """g when the rows of encoder_out come in groups of g copies of one sentence (beam search),
+    else 1."""
+    group = encoder_out.get("beam_group")
+    return int(group[0]) if group else 1
+
+
+def reorder_encoder_rows(encoder_out: Dict[str, List[Tensor]], new_order: Tensor,
+                         beam_size: int) -> Dict[str, List[Tensor]]:
+    """The encoder output with row i taken from row new_order[i] (the encoder's
+    ``reorder_encoder_out``).
+
+    Beam search first repeats every sentence beam_size times, in consecutive rows: those rows
+    are copies, which ``"beam_group": [g]`` records. Its later reorders keep every hypothesis in
+    its sentence's group, so they change nothing here and copy nothing; when sentences finish,
+    their groups are dropped.
+    """
+    group = beam_group(encoder_out)
+    rows = encoder_out["encoder_out"][0].size(0) // group
+    kept, moves = BeamReorder(new_order).plan(group, rows)  # (shared with the decoder's)
+    if not moves:
+        return encoder_out
+    reordered = {key: [t.index_select(0, new_order) for t in value]
+                 for key, value in encoder_out.items() if key != "beam_group"}
+    # not grouped yet, or a row left its group: grouped from now on only when this reorder
+    # makes groups of beam_size copies of one row (beam search's first reorder does)
+    if kept is None or group == 1:
+        group = beam_size if repeats_rows(new_order, beam_size) else 1
+    reordered["beam_group"] = [torch.tensor(group)] if group > 1 else []
+    return reordered
+
+
 class Ancestry:
     """Which of its group's keys each of the B rows descends from, in a grouped self-attention
     cache: an additive mask (B, C * g rounded up to a multiple of MASK_ALIGNMENT), 0 at key
@@ -199,13 +231,15 @@ class KeyValueCache:
     group: int = 1
 
     def append(self, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> None:
-        """Keep keys and values (rows, h, L, d_k), one row per row the cache stores, and the
-        mask (B, 1, 1, L) of which keys may be attended to (None: all)."""
+        """Keep keys and values (rows, h, L, d_k): the source cache's one row per distinct row
+        (``distinct_rows``, B / g), the self-attention cache's one row per hypothesis (B); and the
+        mask (B, 1, 1, L), True where a key may be attended to (None: all)."""
         raise NotImplementedError
 
     def keys_values(self) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """Keys and values (B / g, h, S, d_k) for the g * T queries of each group, and their mask
-        (True / 0 where a query may attend), broadcastable to (B / g, h, g * T, S), or None."""
+        """Keys and values (B / g, h, S, d_k) for the g * T queries of each group, and their
+        additive mask (0 where a query may attend, -inf elsewhere), broadcastable to
+        (B / g, h, g * T, S), or None."""
         raise NotImplementedError
 
     def reorder(self, reorder: BeamReorder) -> None:

@@ -22,10 +22,10 @@ class Embeddings(nn.Module):
     def __init__(self, d_model: int, vocab_size: int, padding_idx: int, scale: bool = True):
         super().__init__()
         self.lut = nn.Embedding(vocab_size, d_model, padding_idx=padding_idx)
-        self.scale = math.sqrt(d_model) if scale else 1.0
+        self.factor = math.sqrt(d_model) if scale else 1.0  # or 1: --no-scale-embedding
 
     def forward(self, tokens: Tensor) -> Tensor:  # (B, L) -> (B, L, d_model)
-        return self.lut(tokens) * self.scale
+        return self.lut(tokens) * self.factor
 
 
 def positions_of(tokens: Tensor, padding_idx: int) -> Tensor:
@@ -45,7 +45,8 @@ class SinusoidalPositionalEncoding(nn.Module):
     "We chose the sinusoidal version because it may allow the model to extrapolate to sequence
     lengths longer than the ones encountered during training." (section 3.5)
     The table is a plain cached tensor, not a buffer: nothing to save in checkpoints or to
-    broadcast between distributed ranks.
+    broadcast between distributed ranks. It has max_positions rows, more when a decoding step
+    asks for a later position (as fairseq's transformer, e.g. under --match-source-len).
     """
 
     def __init__(self, d_model: int, max_positions: int):
@@ -54,13 +55,15 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.max_positions = max_positions
         self._table: Optional[Tensor] = None
 
-    def table(self, dtype, device) -> Tensor:  # (max_positions, d_model)
+    def table(self, dtype, device, rows: int = 0) -> Tensor:  # (max(max_positions, rows), d_model)
         t = self._table
-        if t is None or t.device != device or t.dtype != dtype:
-            position = torch.arange(self.max_positions, dtype=torch.float32).unsqueeze(1)
+        if t is None or t.device != device or t.dtype != dtype or t.size(0) < rows:
+            grown = 0 if t is None or t.size(0) >= rows else 2 * t.size(0)  # past the limit
+            rows = max(self.max_positions, rows, grown)
+            position = torch.arange(rows, dtype=torch.float32).unsqueeze(1)
             div_term = torch.exp(
                 torch.arange(0, self.d_model, 2, dtype=torch.float32) * -(math.log(10000.0) / self.d_model))
-            pe = torch.zeros(self.max_positions, self.d_model)
+            pe = torch.zeros(rows, self.d_model)
             pe[:, 0::2] = torch.sin(position * div_term)
             pe[:, 1::2] = torch.cos(position * div_term[: self.d_model // 2])
             t = self._table = pe.to(device=device, dtype=dtype)
@@ -69,10 +72,9 @@ class SinusoidalPositionalEncoding(nn.Module):
     def forward(self, positions: Union[Tensor, int], like: Tensor) -> Tensor:
         """(B, L) positions -> (B, L, d); one position p for every row -> (d,), row p; in the
         dtype and on the device of ``like``, the embeddings they are added to."""
-        table = self.table(like.dtype, like.device)
         if isinstance(positions, int):
-            return table[positions]
-        return F.embedding(positions, table)
+            return self.table(like.dtype, like.device, positions + 1)[positions]
+        return F.embedding(positions, self.table(like.dtype, like.device))
 
 
 class LearnedPositionalEncoding(nn.Module):
@@ -122,9 +124,15 @@ class EmbeddingLayer(nn.Module):
         """The position of a decoding step's new token, the last of ``prefix`` (B, T): T - 1 in
         every row, as beam search's prefixes hold no padding (which the cached keys assume too).
         One number instead of ``positions``: the step adds a row of the table and launches
-        nothing to find it."""
+        nothing to find it. Beam search may decode past max_positions (--match-source-len does
+        not cap the length): sinusoids are computed for any position, a learned table ends."""
         step = prefix.size(1) - 1
-        self._check_length(step + 1)
+        if step >= self.max_positions and isinstance(self.positional, LearnedPositionalEncoding):
+            raise PluginError(
+                f"a {self.side} of {step + 1} tokens is past this model's {self.max_positions} "
+                f"learned positions (--max-target-positions); beam search goes past them only "
+                f"under --match-source-len: give it sources shorter than {self.max_positions} "
+                f"tokens")
         return step
 
     def _check_length(self, tokens: int) -> None:
@@ -135,8 +143,11 @@ class EmbeddingLayer(nn.Module):
                 f"{self.max_positions} ({flag}); shorten or split the sentence, or skip such "
                 f"inputs with --skip-invalid-size-inputs-valid-test")
 
-    def forward(self, tokens: Tensor, positions: Union[Tensor, int]) -> Tensor:
-        """tokens (B, L), positions (B, L) or one for all rows -> (B, L, d_model)."""
+    def forward(self, tokens: Tensor, positions: Union[Tensor, int, None] = None) -> Tensor:
+        """tokens (B, L) -> (B, L, d_model); ``positions``: (B, L), or one for all rows (a
+        decoding step's ``step_position``), or None for ``self.positions(tokens)``."""
+        if positions is None:
+            positions = self.positions(tokens)  # (also refuses a sentence over max_positions)
         x = self.embeddings(tokens)
         if self.positional is not None:
             x = x + self.positional(positions, like=x)
