@@ -385,6 +385,10 @@ def test_a_working_transformer_command_builds_and_trains_with_the_annotated_arch
     assert type(model.decoder.embed.positional).__name__ == "LearnedPositionalEncoding"
     assert model.encoder.embed.embeddings.factor == 1.0  # --no-scale-embedding
     assert model.decoder.generator.proj.weight is model.decoder.embed.embeddings.lut.weight
+    assert model.decoder.embed.dropout.p == layer.sublayer[0].dropout.p == 0.3  # --dropout
+    assert layer.src_attn.dropout.p == 0.1 and layer.feed_forward.dropout.p == 0.1
+    assert layer.feed_forward.activation is torch.nn.functional.relu
+    assert layer.sublayer[0].normalize_before and model.encoder.norm is not None  # pre-LN
     src, tgt = random_tokens(d, 4, 7), random_tokens(d, 4, 6)
     sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((4,), 7),
                             "prev_output_tokens": torch.roll(tgt, 1, 1)},
