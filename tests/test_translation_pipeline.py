@@ -127,6 +127,37 @@ def test_prepare_of_the_bundled_corpus_outside_the_repository_says_where_to_run_
     assert os.listdir(tmp_path) == []
 
 
+def test_a_named_corpus_is_downloaded_gunzipped_and_prepared_under_its_split_names(
+        tmp_path, monkeypatch):
+    """--corpus multi30k without --raw-dir: its six .gz files are fetched (here from file:// URLs
+    standing in for the web) into DEST.raw, gunzipped, and its test2016 files are the test set;
+    a file that cannot be fetched is one line naming it and the offline way (--raw-dir)."""
+    web = tmp_path / "web"
+    write_slice(web, n_train=200, n_eval=20)
+    urls = {}
+    for split, published in (("train", "train"), ("valid", "valid"), ("test2016", "test")):
+        for lang in ("de", "en"):
+            gz = web / f"{published}.{lang}.gz"
+            gz.write_bytes(gzip.compress((web / f"{published}.{lang}").read_bytes()))
+            urls[f"{split}.{lang}"] = gz.as_uri()
+    offline = {**urls, "train.de": (web / "gone.de.gz").as_uri()}
+    monkeypatch.setitem(prepare_translation.CORPORA["multi30k"], "download", offline)
+    with pytest.raises(SystemExit) as refused:
+        prepare_translation.main(["--corpus", "multi30k", "--dest", str(tmp_path / "bin")])
+    last = str(refused.value.code)
+    assert "\n" not in last and last.startswith(f"annotated-prepare: error: cannot download {offline['train.de']} (")
+    assert last.endswith("on a machine without internet access, pass the raw files with --raw-dir")
+    monkeypatch.setitem(prepare_translation.CORPORA["multi30k"], "download", urls)
+    prepare_translation.main(["--corpus", "multi30k", "--dest", str(tmp_path / "bin"),
+                              "--bpe-merges", "100"])
+    for lang in ("de", "en"):
+        assert (tmp_path / "bin.raw" / f"test2016.{lang}").read_text(encoding="utf-8") == \
+            (web / f"test.{lang}").read_text(encoding="utf-8")
+    settings = json.loads((tmp_path / "bin" / "prepare.json").read_text())
+    assert settings["splits"] == {"train": 200, "valid": 20, "test": 20}
+    assert os.path.exists(tmp_path / "bin" / "test.de-en.de.bin")
+
+
 def test_prepare_reads_gzipped_text_as_the_plain_text(tmp_path):
     """RAW/train.de.gz serves for RAW/train.de (the bundled sample is gzipped)."""
     write_slice(tmp_path / "plain", n_train=20, n_eval=5, byte_order_mark=("train.de",))
