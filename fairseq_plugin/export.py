@@ -1,6 +1,8 @@
 """Export an ``annotated_transformer`` checkpoint as an equivalent fairseq ``transformer`` one.
 
-The two models compute the same function; only the parameter layout differs:
+The two models compute the same function on sentences within the position limits (the sinusoids
+become a learned table of max_positions rows, so only the original decodes past the limit under
+--match-source-len); only the parameter layout differs:
 
 ================================================  ==================================================
 annotated_transformer                             fairseq transformer

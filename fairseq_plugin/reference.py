@@ -43,8 +43,8 @@ def subsequent_mask(size: int) -> Tensor:
 
 
 def positional_encoding(length: int, d_model: int) -> Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i / d_model)), PE(pos, 2i + 1) = cos(pos / 10000^(2i / d_model))
-    (section 3.5), for positions 0 .. length - 1: (length, d_model), in float64."""
+    """PE(pos, 2i) = sin(pos / 10000^(2i / d_model)), PE(pos, 2i + 1) = cos(the same) (section
+    3.5), for positions 0 .. length - 1: (length, d_model), in float64."""
     pos = torch.arange(length, dtype=torch.float64)[:, None]  # (length, 1)
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d_model / 2,)
     angle = pos / 10000 ** (two_i / d_model)  # (length, d_model / 2)
@@ -56,7 +56,7 @@ def positional_encoding(length: int, d_model: int) -> Tensor:
 class MultiHeadedAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W^Q_i, K W^K_i,
     V W^V_i) (section 3.2.2), with four separate matrices (W^K and W^V read d_memory-wide inputs
-    when the encoder is wider than the decoder)."""
+    when the encoder's width differs from the decoder's)."""
 
     def __init__(self, h: int, d_model: int, d_memory: Optional[int] = None):
         super().__init__()

@@ -23,8 +23,8 @@ def plain_copy(fast: MultiHeadedAttention) -> reference.MultiHeadedAttention:
     else:  # W^Q and [W^K; W^V], whose inputs may be wider (d_memory)
         weights = (fast.q_proj.weight, *fast.kv_proj.weight.chunk(2))
         biases = (fast.q_proj.bias, *fast.kv_proj.bias.chunk(2))
-    plain = reference.MultiHeadedAttention(
-        fast.h, fast.h * fast.d_k, d_memory=None if fast.self_attention else fast.kv_proj.in_features)
+    d_memory = None if fast.self_attention else fast.kv_proj.in_features
+    plain = reference.MultiHeadedAttention(fast.h, fast.h * fast.d_k, d_memory=d_memory)
     with torch.no_grad():
         for linear, w, b in zip((plain.w_q, plain.w_k, plain.w_v), weights, biases):
             linear.weight.copy_(w)
@@ -164,7 +164,7 @@ def test_half_precision_gives_no_inf_and_stays_close_to_fp32(dtype, need_weights
     assert (out.float() - ref).abs().max() < tol
 
 
-@pytest.mark.parametrize("dtype", CPU_HALF_DTYPES)
+@pytest.mark.parametrize("dtype", CPU_HALF_DTYPES[:1])  # fp16 (bf16 has fp32's range)
 def test_written_out_attention_scores_half_precision_inputs_in_fp32(dtype):
     """Scores beyond fp16's largest number (65504) still give the fp32 result: the scores and the
     softmax are computed in fp32, and the weights come back in fp32."""

@@ -340,19 +340,20 @@ def test_match_source_len_decodes_past_sinusoidal_target_positions_like_a_longer
 
 
 def test_a_working_transformer_command_builds_and_trains_with_the_annotated_arch(tmp_path):
-    """fairseq's IWSLT'14 example command, with only the --arch swapped: the same settings, and
-    fairseq's task builds the model and criterion, which take a training step."""
+    """fairseq's IWSLT'14 example command with more model flags (values other than the defaults,
+    so each must arrive), with only the --arch swapped: the same settings, and fairseq's task
+    builds the model and criterion, which take a training step."""
     from fairseq import options, tasks
 
     command = ("DATA --arch {arch} --share-decoder-input-output-embed --optimizer adam "
                "--adam-betas (0.9,0.98) --clip-norm 0.0 --lr 5e-4 --lr-scheduler inverse_sqrt "
                "--warmup-updates 4000 --dropout 0.3 --weight-decay 0.0001 "
                "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-tokens 4096 "
-               "--attention-dropout 0.1 --activation-dropout 0.1 --activation-fn relu "
+               "--attention-dropout 0.2 --activation-dropout 0.1 --activation-fn gelu "
                "--encoder-layers 6 --decoder-layers 6 --encoder-embed-dim 512 "
                "--decoder-embed-dim 512 --encoder-ffn-embed-dim 1024 --decoder-ffn-embed-dim 1024 "
                "--encoder-attention-heads 4 --decoder-attention-heads 4 --encoder-learned-pos "
-               "--decoder-learned-pos --encoder-normalize-before --decoder-normalize-before "
+               "--decoder-learned-pos --encoder-normalize-before "
                "--max-source-positions 256 --max-target-positions 256 --no-scale-embedding "
                "--source-lang de --target-lang en "
                "--user-dir " + os.path.dirname(fairseq_plugin.__file__))
@@ -386,9 +387,11 @@ def test_a_working_transformer_command_builds_and_trains_with_the_annotated_arch
     assert model.encoder.embed.embeddings.factor == 1.0  # --no-scale-embedding
     assert model.decoder.generator.proj.weight is model.decoder.embed.embeddings.lut.weight
     assert model.decoder.embed.dropout.p == layer.sublayer[0].dropout.p == 0.3  # --dropout
-    assert layer.src_attn.dropout.p == 0.1 and layer.feed_forward.dropout.p == 0.1
-    assert layer.feed_forward.activation is torch.nn.functional.relu
-    assert layer.sublayer[0].normalize_before and model.encoder.norm is not None  # pre-LN
+    assert layer.src_attn.dropout.p == 0.2 and layer.feed_forward.dropout.p == 0.1
+    assert "gelu" in layer.feed_forward.activation.__name__
+    # fairseq's meaning: pre-LN in the stack the flag names, post-LN in the other
+    assert model.encoder.layers[0].sublayer[0].normalize_before and model.encoder.norm is not None
+    assert not layer.sublayer[0].normalize_before and model.decoder.norm is None
     src, tgt = random_tokens(d, 4, 7), random_tokens(d, 4, 6)
     sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((4,), 7),
                             "prev_output_tokens": torch.roll(tgt, 1, 1)},
@@ -513,7 +516,7 @@ def test_a_batch_is_packed_only_where_enough_of_it_is_padding():
     padding = torch.zeros(10, 10, dtype=torch.bool)
     padding[0, :1] = True  # 1 %
     assert packing_for(padding) is NO_PACKING
-    padding[0, :3] = True  # 3 %
+    padding[0, :2] = True  # 2 %
     assert isinstance(packing_for(padding), RealPositions)
     assert packing_for(padding, enabled=False) is NO_PACKING
     assert packing_for(None) is NO_PACKING

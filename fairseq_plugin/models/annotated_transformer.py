@@ -83,7 +83,7 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
             "src_mask": [mask] if mask is not None else [],
             "encoder_states": states,
             "src_lengths": [src_lengths] if src_lengths is not None else [],
-            "beam_group": [],  # see reorder_encoder_out
+            "beam_group": [],  # modules/cache.py: reorder_encoder_rows
         }
 
     @torch.jit.unused
@@ -190,7 +190,8 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         x = packing.unpack(x)
         if self.norm is not None:  # pre-LN's final LayerNorm
             x = self.norm(x)
-        inner_states = [packing.unpack(s) for s in inner_states]  # (B, T, d) each: batch-first, unlike fairseq's transformer
+        # (B, T, d) each: batch-first, unlike fairseq's transformer
+        inner_states = [packing.unpack(s) for s in inner_states]
         return x, {"attn": [average_heads(attn, alignment_heads)], "inner_states": inner_states}
 
     def output_layer(self, features: Tensor) -> Tensor:

@@ -232,8 +232,8 @@ class MultiHeadedAttention(nn.Module):
                 packing: Packing) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         """Q (B, h, T, d_k) and K, V: self-attention's (B, h, T, d_k), or the source's
         (B or B / g, h, S, d_k): one row per distinct row its ``SourceAttentionCache`` keeps, or
-        None when the cache already has them. Packed query rows are projected as they are, then unpacked to (B, T)
-        for attention."""
+        None when the cache already has them. Packed query rows are projected as they are, then
+        unpacked to (B, T) for attention."""
         if self.self_attention:
             return self.split_heads(packing.unpack(self.qkv_proj(query)), 3)
         (q,) = self.split_heads(packing.unpack(self.q_proj(query)), 1)

@@ -55,7 +55,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.max_positions = max_positions
         self._table: Optional[Tensor] = None
 
-    def table(self, dtype, device, rows: int = 0) -> Tensor:  # (max(max_positions, rows), d_model)
+    def table(self, dtype, device, rows: int = 0) -> Tensor:  # (at least max_positions and rows, d)
         t = self._table
         if t is None or t.device != device or t.dtype != dtype or t.size(0) < rows:
             grown = 0 if t is None or t.size(0) >= rows else 2 * t.size(0)  # past the limit
@@ -125,7 +125,9 @@ class EmbeddingLayer(nn.Module):
         every row, as beam search's prefixes hold no padding (which the cached keys assume too).
         One number instead of ``positions``: the step adds a row of the table and launches
         nothing to find it. Beam search may decode past max_positions (--match-source-len does
-        not cap the length): sinusoids are computed for any position, a learned table ends."""
+        not cap the length): sinusoids are computed for any position (and without positional
+        encodings there is nothing to compute), a learned table ends. (A full pass refuses a
+        sentence over the limit: ``positions``.)"""
         step = prefix.size(1) - 1
         if step >= self.max_positions and isinstance(self.positional, LearnedPositionalEncoding):
             raise PluginError(

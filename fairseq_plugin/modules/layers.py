@@ -90,9 +90,10 @@ class DecoderLayer(nn.Module):
                 tgt_mask: Optional[Tensor], incremental_state: Optional[IncrementalState] = None,
                 need_attn: bool = False, packing: Packing = NO_PACKING
                 ) -> Tuple[Tensor, Optional[Tensor]]:
-        """x (B, T, d_model), or its real rows under ``packing``; memory (B, S, d_memory);
-        src_mask (B, 1, 1, S) / tgt_mask (B, 1, 1, T), True at real tokens, or None (arguments in the
-        notebook's order: x, memory, src_mask, tgt_mask). Self-attention is also causal (``subsequent_mask``: see attend).
+        """The notebook's DecoderLayer(x, memory, src_mask, tgt_mask): x (B, T, d_model), or its
+        real rows under ``packing``; memory (B, S, d_memory); src_mask (B, 1, 1, S) / tgt_mask
+        (B, 1, 1, T), True at real tokens, or None. Self-attention is also causal
+        (``subsequent_mask``: see attend).
         Returns x and, if need_attn, the source attention (B, h, T, S)."""
         x = self.sublayer[0](x, lambda y: self.self_attn(
             y, mask=tgt_mask, causal=True, incremental_state=incremental_state,
