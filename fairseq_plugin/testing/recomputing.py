@@ -1,11 +1,12 @@
 """Decoding without a cache: every step re-runs the decoder over the whole prefix.
 
 For comparison only (tests prove the cache changes nothing; the benchmark measures what it
-saves). Its full passes refuse sentences over the position limits, which cached steps with
-sinusoids may pass (--match-source-len). Wrapping a model's decoder in :class:`PrefixRecomputingDecoder` hides ``incremental_state``
-from fairseq's SequenceGenerator, which then passes the full prefix at every step. Like the
-notebook's greedy decoding it sends only the newest position through the generator, and it
-computes no attention weights: the fair baseline for the cache.
+saves). Wrapping a model's decoder in :class:`PrefixRecomputingDecoder` hides
+``incremental_state`` from fairseq's SequenceGenerator, which then passes the full prefix at
+every step. Like the notebook's greedy decoding it sends only the newest position through the
+generator, and it computes no attention weights: the fair baseline for the cache. Its full passes
+refuse sentences over the position limits, which cached steps with sinusoids may pass
+(--match-source-len).
 """
 
 from fairseq.models import FairseqDecoder, FairseqEncoderDecoderModel
