@@ -35,7 +35,8 @@ sources, alternated, split into the time inside the model's per-step calls (deco
 reorders) and the rest (encoder, fairseq's SequenceGenerator), then prints torch.profiler's
 operators of one decoding of each: where a GPU's beam search spends its time.
 
---device cuda runs fairseq on the GPU in --precision fp16 (default there) or bf16 or fp32, and
+--device cuda runs fairseq on the GPU in --precision fp16 (default there) or fp32 (fairseq 0.12
+cannot train in bf16 on a GPU: its --bf16 also switches on --tpu), and
 reads peak memory from torch.cuda.max_memory_allocated (resident memory on the CPU); GPU steps
 are fast, so give it more --train-updates (e.g. 200) and a larger --max-tokens (e.g. 8192).
 Absolute numbers move +-10% between runs on shared machines: read the ratios.
@@ -234,6 +235,8 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
     for sample in samples[:3]:  # warm-up
         for trainer in trainers.values():
             trainer.train_step([sample])
+    if device.kind == "cuda":
+        torch.cuda.synchronize()  # none of the warm-up in the first timed step
     seconds = {name: [] for name in trainers}
     for i, sample in enumerate(samples[3:]):
         for name in alternated(list(trainers), i):
@@ -543,7 +546,8 @@ def main(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: fairseq on the GPU, peak memory = torch.cuda.max_memory_allocated")
     p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=None,
-                   help="fairseq's --fp16/--bf16 (default: fp32 on cpu, fp16 on cuda)")
+                   help="fairseq's --fp16, or fp32 (default: fp32 on cpu, fp16 on cuda); bf16 is "
+                        "refused: fairseq 0.12 trains in bf16 on TPUs only")
     p.add_argument("--before", metavar="PLUGIN_DIR",
                    help="also run the annotated_transformer of another checkout, e.g. "
                         "../old/fairseq_plugin (git worktree add ../old COMMIT), in the same "
@@ -570,10 +574,14 @@ def main(argv=None):
 
     import torch
 
+    if args.precision == "bf16":
+        p.error("--precision bf16: fairseq 0.12's --bf16 also switches on --tpu (fairseq-train "
+                "then looks for a TPU) and fairseq-generate has no bf16; on a GPU use --precision "
+                "fp16 (or fp32)")
     device = Device(args.device, args.precision or ("fp32" if args.device == "cpu" else "fp16"))
     if device.kind == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
-    if device.kind == "cuda" and not args.skip_ctranslate2:
+    if device.kind == "cuda" and not args.skip_ctranslate2 and not args.steps_in_process:
         p.error("the CTranslate2 comparison runs on the CPU only: add --skip-ctranslate2")
     if args.work_dir and os.path.isdir(args.work_dir) and os.listdir(args.work_dir):
         p.error(f"--work-dir {args.work_dir} is not empty (fairseq-train would resume its "

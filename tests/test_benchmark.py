@@ -96,6 +96,17 @@ def test_step_options_without_steps_in_process_are_one_error_line():
                                             "--without-packing go with --steps-in-process N")
 
 
+def test_bf16_which_fairseq_012_runs_on_tpus_only_is_one_error_line(tmp_path):
+    proc = subprocess.run([sys.executable, BENCHMARK, "--precision", "bf16", "--work-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        "benchmark.py: error: --precision bf16: fairseq 0.12's --bf16 also switches on --tpu "
+        "(fairseq-train then looks for a TPU) and fairseq-generate has no bf16; on a GPU use "
+        "--precision fp16 (or fp32)")
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_work_dir_with_files_is_one_error_line_not_a_resumed_run(tmp_path):
     (tmp_path / "annotated_transformer-round0").mkdir()
     proc = subprocess.run([sys.executable, BENCHMARK, "--work-dir", str(tmp_path)],

@@ -132,7 +132,9 @@ def reverse_bin(tmp_path_factory):
     return reverse_data_bin(tmp_path_factory.mktemp("reverse-gpu"))
 
 
-@pytest.mark.parametrize("precision", ["--fp16", "--bf16", "--amp"])
+# (not --bf16: fairseq 0.12's --bf16 also switches on --tpu, and fairseq-train then looks for a
+# TPU; scripts/benchmark.py and examples/multi30k/run.sh refuse it)
+@pytest.mark.parametrize("precision", ["--fp16", "--amp"])
 def test_reverse_task_in_mixed_precision_reaches_the_cpu_bar_and_translates_alike_on_cpu(
         reverse_bin, tmp_path, precision):
     if DEVICE == "cpu":

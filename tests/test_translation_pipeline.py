@@ -9,6 +9,7 @@ import math
 import os
 import re
 import runpy
+import subprocess
 import sys
 
 import pytest
@@ -157,6 +158,24 @@ def test_a_named_corpus_is_downloaded_gunzipped_and_prepared_under_its_split_nam
     settings = json.loads((tmp_path / "bin" / "prepare.json").read_text())
     assert settings["splits"] == {"train": 200, "valid": 20, "test": 20}
     assert os.path.exists(tmp_path / "bin" / "test.de-en.de.bin")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"DEVICE": "gpu", "PRECISION": "bf16"}, "run.sh: error: PRECISION=bf16: fairseq 0.12's "
+     "--bf16 also switches on --tpu (fairseq-train then looks for a TPU); use PRECISION=fp16, "
+     "amp or fp32"),
+    ({"DEVICE": "gpu", "PRECISION": "fp8"}, "run.sh: error: PRECISION=fp8; use PRECISION=fp16, "
+     "amp or fp32"),
+    ({"DEVICE": "tpu"}, "run.sh: error: DEVICE=tpu; use DEVICE=cpu or DEVICE=gpu"),
+    ({"EPOCHS": "0"}, "run.sh: error: EPOCHS=0; give a number of epochs >= 1"),
+])
+def test_the_multi30k_recipe_refuses_bad_settings_before_it_starts(tmp_path, env, message):
+    run = os.path.join(REPO, "examples", "multi30k", "run.sh")
+    proc = subprocess.run(["bash", run], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "WORK": str(tmp_path / "work"), **env})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [message]
+    assert not (tmp_path / "work").exists()
 
 
 def test_prepare_reads_gzipped_text_as_the_plain_text(tmp_path):

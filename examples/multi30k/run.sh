@@ -12,7 +12,7 @@
 # WORK (work/multi30k), THREADS (torch threads; default all cores), PYTHON (.venv/bin/python),
 # BIN (where the fairseq-* and annotated-* commands are; default: beside PYTHON),
 # DEVICE (cpu, or gpu: GPU 0, or the GPUs CUDA_VISIBLE_DEVICES names, in PRECISION, fp16 by
-# default, or bf16 / amp / fp32).
+# default, or amp / fp32; fairseq 0.12's bf16 is for TPUs).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -33,7 +33,15 @@ case "${DEVICE:-cpu}" in
   gpu) export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # fairseq takes every GPU it sees
        PRECISION=${PRECISION:-fp16}
        DEVICE_FLAGS=(--max-tokens 8192)
-       [ "$PRECISION" = fp32 ] || DEVICE_FLAGS+=("--$PRECISION") ;;
+       case "$PRECISION" in
+         fp16|amp) DEVICE_FLAGS+=("--$PRECISION") ;;
+         fp32) ;;
+         bf16) echo "run.sh: error: PRECISION=bf16: fairseq 0.12's --bf16 also switches on" \
+                    "--tpu (fairseq-train then looks for a TPU); use PRECISION=fp16, amp or fp32" >&2
+               exit 2 ;;
+         *) echo "run.sh: error: PRECISION=$PRECISION; use PRECISION=fp16, amp or fp32" >&2
+            exit 2 ;;
+       esac ;;
   *) echo "run.sh: error: DEVICE=$DEVICE; use DEVICE=cpu or DEVICE=gpu" >&2; exit 2 ;;
 esac
 
