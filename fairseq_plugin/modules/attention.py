@@ -127,7 +127,7 @@ def concat_heads(out: Tensor, group: int) -> Tensor:
 @with_incremental_state
 class MultiHeadedAttention(nn.Module):
     """Multi-head attention over h heads of size d_k = d_model / h ("In this work we employ h = 8
-    parallel attention layers, or heads. For each of these we use d_k = d_v = d_model / h = 64."
+    parallel attention layers, or heads. For each of these we use d_k = d_v = d_model / h = 64.",
     section 3.2.2).
 
     Self-attention projects Q, K and V from one input with one matrix, the concatenation
