@@ -430,7 +430,7 @@ def decoding_model(checkpoint, data_bin, device=CPU, attention_weights=True):
 
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
         [checkpoint], arg_overrides={"data": data_bin})
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}  # (bf16 is refused: main)
     model = models[0].eval().to(device=device.kind, dtype=dtype[device.precision])
     model.make_generation_fast_()
     model.decoder.need_attn = attention_weights
