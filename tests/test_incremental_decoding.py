@@ -142,6 +142,36 @@ def test_cache_follows_beam_reorders_and_a_shrinking_batch(beam_size_told):
     assert (last_cached[:, -1] - full[:, -1]).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_grouped_beam_steps_under_autocast_equal_a_full_pass(dtype):
+    """Under torch.autocast (half precision over fp32 weights, e.g. around the hub's generate)
+    the keys are half while the ancestry was made in the weights' dtype: it follows the keys,
+    and each step equals a full pass under autocast up to the dtype's rounding."""
+    d = make_dictionary()
+    model = build_tiny_model(d)
+    model.decoder.need_attn = False
+    model.set_beam_size(2)
+    g = torch.Generator().manual_seed(2)
+    src, lengths = padded_sources(d, [5, 7], left_pad=True)
+    sentence = torch.arange(2).repeat_interleave(2)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        encoder_out = model.encoder.reorder_encoder_out(model.encoder(src, lengths), sentence)
+        tokens, state = torch.full((4, 1), d.eos()), {}
+        for _ in range(6):
+            step = model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)[0]
+            full = model.decoder(tokens, encoder_out=encoder_out)[0]
+            assert step.dtype == full.dtype == dtype
+            rounding = 4 * torch.finfo(dtype).eps * float(full.abs().max())
+            assert (step[:, -1] - full[:, -1]).abs().max() <= rounding
+            order = (sentence * 2 + torch.randint(0, 2, (4,), generator=g))  # within groups
+            model.decoder.reorder_incremental_state_scripting(state, order)
+            encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
+            tokens = torch.cat([tokens.index_select(0, order), random_tokens(d, 4, 1, g)], 1)
+        ancestry = model.decoder.get_incremental_state(state, "ancestry")
+    assert ancestry is not None and ancestry.mask.dtype == dtype
+    assert {m.cache(state).group for m in model.decoder.attentions()} == {2}
+
+
 def test_each_cache_is_reordered_exactly_once():
     d = make_dictionary()
     model = build_tiny_model(d)

@@ -510,6 +510,68 @@ def test_skipping_padding_changes_no_result(left_pad_target):
         assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("post_norm", [False, True], ids=["pre-LN", "post-LN"])
+def test_encoder_states_and_decoder_features_are_each_layers_output_packed_or_not(post_norm):
+    """fairseq's model interface beyond the logits: the encoder's ``encoder_states``
+    (return_all_hiddens=True), the embeddings then each layer's output; the decoder's features
+    before the generator (features_only=True). In training with packing and without it alike."""
+    from fairseq_plugin.modules.packing import NO_PACKING
+
+    d = make_dictionary()
+    model = build_tiny_model(d, dropout=0.0, post_norm=post_norm).train()
+    src = random_tokens(d, 3, 7)
+    src[1, :3] = d.pad()
+    tgt = random_tokens(d, 3, 5)
+    tgt[2, 3:] = d.pad()
+    real_src, real_tgt = src.ne(d.pad()), tgt.ne(d.pad())
+    encoder, decoder = model.encoder, model.decoder
+    mask = real_src[:, None, None, :]
+    d_model = encoder.embed.embeddings.lut.embedding_dim
+    results = []
+    for skip in (True, False):
+        encoder.skip_padding = decoder.skip_padding = skip
+        encoder_out = encoder(src, real_src.sum(1), return_all_hiddens=True)
+        states = encoder_out["encoder_states"]
+        assert len(states) == len(encoder.layers) + 1
+        assert all(s.shape == (3, 7, d_model) for s in states)
+        assert torch.allclose(states[0], encoder.embed(src))
+        for layer, before, after in zip(encoder.layers, states, states[1:]):
+            assert torch.allclose(layer(before, mask, NO_PACKING)[real_src], after[real_src],
+                                  atol=1e-5)
+        last = states[-1] if post_norm else encoder.norm(states[-1])
+        assert torch.allclose(last[real_src], encoder_out["encoder_out"][0][real_src], atol=1e-6)
+        features, extra = decoder(tgt, encoder_out, features_only=True)
+        assert features.shape == (3, 5, d_model) and len(extra["inner_states"]) == 3  # 2 layers
+        logits = decoder(tgt, encoder_out)[0]
+        assert torch.allclose(decoder.output_layer(features), logits)
+        results.append((torch.stack(states)[:, real_src], features[real_tgt]))
+    (packed_states, packed_features), (plain_states, plain_features) = results
+    assert torch.allclose(packed_states, plain_states, atol=1e-5)
+    assert torch.allclose(packed_features, plain_features, atol=1e-5)
+
+
+def test_an_explicit_alignment_layer_and_heads_give_that_layers_source_attention():
+    """fairseq's alignment_layer / alignment_heads (e.g. a subclass supervising alignments):
+    the source attention of that layer averaged over its first heads, in training too (where
+    the decoder then does not pack)."""
+    from fairseq_plugin.modules.attention import recording_attention
+
+    d = make_dictionary()
+    model = build_tiny_model(d, dropout=0.0)
+    src, tgt = random_tokens(d, 2, 6), random_tokens(d, 2, 4)
+    tgt[1, 2:] = d.pad()
+    for training in (False, True):
+        model.train(training)
+        with recording_attention(model.decoder) as records:
+            _, extra = model(src, torch.tensor([6, 6]), tgt, alignment_layer=0,
+                             alignment_heads=1)
+        first_head = records["layers.0.src_attn"][0][:, 0]  # (B, T, S)
+        assert extra["attn"][0].shape == (2, 4, 6)
+        assert torch.allclose(extra["attn"][0], first_head), training
+        assert not torch.allclose(first_head, records["layers.1.src_attn"][0][:, 0])
+        assert not torch.allclose(first_head, records["layers.0.src_attn"][0][:, 1])
+
+
 def test_a_batch_is_packed_only_where_enough_of_it_is_padding():
     """Packing pays for its copies only from MIN_PADDING_SHARE (2 %) of padded positions up."""
     from fairseq_plugin.modules.packing import NO_PACKING, RealPositions, packing_for
