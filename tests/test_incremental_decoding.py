@@ -14,6 +14,7 @@ from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, MultiHeadedAttent
                                               explicit_attention)
 from fairseq_plugin.modules.cache import (Ancestry, BeamReorder, SelfAttentionCache,
                                           SourceAttentionCache, plan_reorder, repeats_rows)
+from fairseq_plugin.models.annotated_transformer import source_mask
 from fairseq_plugin.reference import greedy_decode
 from fairseq_plugin.testing.operations import OperationCounter, counting_step_calls
 from fairseq_plugin.testing.recomputing import cached_rows, without_cache
@@ -97,11 +98,13 @@ def test_padding_side_does_not_change_a_sentences_encoding():
     assert (out_left - out_right).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("source_lengths", [[5, 8, 3], [6, 6, 6]], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("beam_size_told", [True, False])
-def test_cache_follows_beam_reorders_and_a_shrinking_batch(beam_size_told):
+def test_cache_follows_beam_reorders_and_a_shrinking_batch(beam_size_told, source_lengths):
     """Beam-search semantics: reorders within each sentence's group of hypotheses, then a
     sentence finishes and the batch shrinks; the cached logits still equal a full pass, with the
-    hypotheses grouped (the model told the beam size, as SequenceGenerator does) or not."""
+    hypotheses grouped (the model told the beam size, as SequenceGenerator does) or not, for
+    padded sources and for sources of one length (no source mask to keep)."""
     d = make_dictionary()
     model = build_tiny_model(d)
     g = torch.Generator().manual_seed(1)
@@ -109,9 +112,10 @@ def test_cache_follows_beam_reorders_and_a_shrinking_batch(beam_size_told):
     model.decoder.need_attn = False  # no weights: the fused kernel in every attention
     if beam_size_told:
         model.set_beam_size(beam)
-    src, lengths = padded_sources(d, [5, 8, 3], left_pad=True)
+    src, lengths = padded_sources(d, source_lengths, left_pad=True)
     with torch.no_grad():
         encoder_out = model.encoder(src, lengths)
+        assert bool(encoder_out["src_mask"]) == (len(set(source_lengths)) > 1)
         expand = torch.arange(bsz).repeat_interleave(beam)
         encoder_out = model.encoder.reorder_encoder_out(encoder_out, expand)
         tokens = torch.full((bsz * beam, 1), d.eos())
@@ -400,14 +404,16 @@ def test_the_beams_ancestry_is_one_for_all_layers_and_reordered_once_per_step():
     assert torch.equal(ancestry.mask, before.index_select(0, new_order))
 
 
-def test_steps_after_reorders_within_and_then_across_groups_equal_a_full_pass():
+@pytest.mark.parametrize("source_lengths", [[6, 4], [5, 5]], ids=["padded", "unpadded"])
+def test_steps_after_reorders_within_and_then_across_groups_equal_a_full_pass(source_lengths):
     """Reorders within the beam's groups (one given twice between two steps), then a row taking
     another sentence's hypothesis: the caches fall back to one row per hypothesis, the decoder
-    drops the ancestry, and each step's logits still equal a full pass over each row's prefix."""
+    drops the ancestry, and each step's logits still equal a full pass over each row's prefix
+    (with a source mask to ungroup, or none)."""
     d = make_dictionary()
     model = build_tiny_model(d, decoder_layers=2)
     model.set_beam_size(2)
-    src, lengths = padded_sources(d, [6, 4], left_pad=True)
+    src, lengths = padded_sources(d, source_lengths, left_pad=True)
     sentence = torch.arange(2).repeat_interleave(2)  # each row's sentence
     orders = [[[1, 1, 2, 3]], [[3, 2, 1, 0], [1, 0, 3, 2]], [[0, 1, 3, 3]], [[0, 2, 2, 3]],
               [[1, 0, 3, 2]]]
@@ -766,26 +772,33 @@ def test_an_ensemble_of_two_models_gives_the_same_hypotheses_with_and_without_ca
                for a, b in zip(cached, alone))
 
 
+@pytest.mark.parametrize("beam", [1, 2], ids=["one row per sentence", "grouped beam"])
 @pytest.mark.parametrize("kernel", [FUSED, "explicit"])
-def test_several_new_steps_after_cached_ones_see_each_other_causally(kernel):
+def test_several_new_steps_after_cached_ones_see_each_other_causally(kernel, beam):
     """Self-attention with a cache and T > 1 new queries: each sees the cached steps and the new
-    ones up to itself (the causal mask aligned to the last T positions, for both kernels)."""
+    ones up to itself (the causal mask aligned to the last T positions, for both kernels); a
+    cache holding a beam's groups first falls back to one row per hypothesis."""
     d = make_dictionary()
     model = build_tiny_model(d)
+    model.set_beam_size(beam)
     for m in model.decoder.attentions():
         m.kernel = kernel
     src, lengths = padded_sources(d, [5, 7], left_pad=True)
-    tgt = prefixes(d, 2, 6)
+    rows = 2 * beam
+    tgt = prefixes(d, rows, 6)  # the hypotheses of one sentence differ after eos
     with torch.no_grad():
-        encoder_out = model.encoder(src, lengths)
+        encoder_out = model.encoder.reorder_encoder_out(
+            model.encoder(src, lengths), torch.arange(2).repeat_interleave(beam))
         full = model.decoder(tgt, encoder_out=encoder_out)[0]
         state = {}
         for t in (1, 2):  # two cached steps, then four at once through the layers
             model.decoder(tgt[:, :t], encoder_out=encoder_out, incremental_state=state)
-        x = model.decoder.embed(tgt[:, 2:], torch.arange(2, 6).expand(2, 4))
+        assert {m.cache(state).group for m in model.decoder.attentions()} == {beam}
+        x = model.decoder.embed(tgt[:, 2:], torch.arange(2, 6).expand(rows, 4))
         for layer in model.decoder.layers:
-            x, _ = layer(x, encoder_out["encoder_out"][0], None, None, state)
+            x, _ = layer(x, encoder_out["encoder_out"][0], source_mask(encoder_out), None, state)
         out = model.decoder.output_layer(model.decoder.norm(x))
+        assert {layer.self_attn.cache(state).group for layer in model.decoder.layers} == {1}
     assert (out - full[:, 2:]).abs().max() <= 1e-4
 
 

@@ -275,6 +275,22 @@ def test_too_long_source_is_a_clear_error():
         model.encoder(random_tokens(d, 1, 9))
 
 
+def test_a_batch_padded_past_the_position_limit_is_refused_only_for_a_longer_sentence():
+    """fairseq pads batches (--required-seq-len-multiple, or a longer neighbour's padding): a
+    batch wider than --max-source-positions whose sentences fit encodes as its rows alone."""
+    d = make_dictionary()
+    model = build_tiny_model(d, max_source_positions=10)
+    tokens = random_tokens(d, 2, 10)
+    padded = torch.cat([torch.full((2, 6), d.pad()), tokens], 1)  # left-padded to 16
+    with torch.no_grad():
+        encoded = model.encoder(padded)["encoder_out"][0][:, 6:]
+        alone = model.encoder(tokens)["encoder_out"][0]
+    assert torch.allclose(encoded, alone, atol=1e-5)
+    padded[0, 5] = tokens[0, 0]  # now 11 tokens
+    with pytest.raises(PluginError, match="source sentence has 11 tokens"):
+        model.encoder(padded)
+
+
 def test_the_position_limits_hold_without_positional_encodings():
     """As for fairseq's transformer: the flags bound the sentences (training filters, generation's
     max length) whether or not the model adds positional encodings."""
