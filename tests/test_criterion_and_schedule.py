@@ -40,6 +40,36 @@ def test_criterion_at_eps_zero_equals_nll():
     assert torch.allclose(nll, expected, rtol=1e-5)
 
 
+def test_criterion_per_token_losses_sum_to_the_loss_and_padding_counts_nothing():
+    """reduce=False gives each token's loss (N,); a padding row adds 0 even where its
+    log-probabilities are not finite (they are the model's output at padding)."""
+    V, pad = 30, 1
+    lprobs = torch.randn(12, V).log_softmax(-1)
+    target = torch.randint(4, V, (12,))
+    target[[2, 7]] = pad
+    loss, nll = annotated_label_smoothing_loss(lprobs, target, 0.1, pad)
+    lprobs[2] = float("nan")
+    lprobs[7, 5] = float("-inf")
+    per_token, per_token_nll = annotated_label_smoothing_loss(lprobs, target, 0.1, pad,
+                                                              reduce=False)
+    assert per_token.shape == per_token_nll.shape == (12,)
+    assert per_token[[2, 7]].tolist() == per_token_nll[[2, 7]].tolist() == [0.0, 0.0]
+    assert torch.allclose(per_token.sum(), loss) and torch.allclose(per_token_nll.sum(), nll)
+
+
+def test_criterion_sums_half_precision_log_probabilities_in_fp32():
+    """Under --fp16 the sum over a 32k vocabulary of log-probabilities overflows fp16 (65504):
+    the loss is summed in fp32, equal to the fp32 loss of the same (rounded) inputs."""
+    V, pad = 32000, 1
+    lprobs = torch.randn(8, V).mul(3).log_softmax(-1).half()
+    target = torch.randint(4, V, (8,))
+    loss, nll = annotated_label_smoothing_loss(lprobs, target, 0.1, pad)
+    expected, expected_nll = annotated_label_smoothing_loss(lprobs.float(), target, 0.1, pad)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert torch.allclose(loss, expected, rtol=1e-6)
+    assert torch.allclose(nll, expected_nll, rtol=1e-6)
+
+
 @pytest.mark.parametrize("eps", [0.1, 0.3])
 def test_criterion_in_fairseq_is_the_notebooks_label_smoothing_of_the_models_output(eps):
     """The registered criterion on a padded batch: its loss is the notebook's LabelSmoothing (KL
@@ -133,6 +163,26 @@ def test_noam_without_d_model_is_a_clear_error():
     with pytest.raises(PluginError, match="--noam-model-dim"):
         NoamSchedule(args, _Optimizer())
 
+
+@pytest.mark.parametrize("model, d_model", [
+    ({"_name": "annotated_transformer_big"}, 1024),  # a preset's size, not written out
+    ({"_name": "annotated_transformer", "encoder_embed_dim": 256}, 256),
+    (None, None)], ids=["preset", "written out", "no model"])
+def test_noam_reads_d_model_from_the_hydra_training_configuration(model, d_model):
+    """fairseq-hydra-train hands the schedule its ``lr_scheduler`` node of the whole training
+    configuration: d_model is the model's, a preset's resolved, or the run is refused."""
+    from omegaconf import OmegaConf
+
+    root = {"lr_scheduler": {"_name": "noam", "warmup_updates": 100, "noam_factor": 1.0,
+                             "noam_model_dim": None}}
+    if model is not None:
+        root["model"] = model
+    cfg = OmegaConf.create(root).lr_scheduler
+    if d_model is None:
+        with pytest.raises(PluginError, match=r"pass --noam-model-dim"):
+            NoamSchedule(cfg, _Optimizer())
+        return
+    assert NoamSchedule(cfg, _Optimizer()).model_dim == d_model
 
 
 @pytest.mark.parametrize("option, value, message", [

@@ -8,8 +8,9 @@ token except padding, and 0 on the padding column; rows whose target is padding 
 The loss is KL(target || model) summed over tokens (``nn.KLDivLoss(reduction="sum")``); the
 notebook's class, written out, is ``fairseq_plugin.reference.LabelSmoothing``, which the tests
 hold this closed form equal to.
-fairseq's ``label_smoothed_cross_entropy`` differs (eps / (V - 1), padding included), so the two
-losses are not comparable number for number; ``nll_loss`` (and so perplexity) is.
+fairseq's ``label_smoothed_cross_entropy`` differs: a cross-entropy (which is the KL plus the
+target's entropy) to eps / (V - 1) on every token, padding included. The two losses are not
+comparable number for number; ``nll_loss`` (and so perplexity) is.
 
 We subclass fairseq's criterion for everything but the loss: the same flags
 (--label-smoothing, --report-accuracy, --ignore-prefix-size), logging and metric reduction.
@@ -50,9 +51,9 @@ def annotated_label_smoothing_loss(lprobs: Tensor, target: Tensor, eps: float, p
     entropy_term = _xlogx(1.0 - eps) + (V - 2) * _xlogx(u)  # sum_j q_j log q_j
     loss = entropy_term - (1.0 - eps) * gold - u * others
     nll_loss = -gold
-    not_pad = target.ne(padding_idx)
-    loss = loss * not_pad
-    nll_loss = nll_loss * not_pad
+    padding = target.eq(padding_idx)  # rows that count nothing, whatever their lprobs
+    loss = loss.masked_fill(padding, 0.0)
+    nll_loss = nll_loss.masked_fill(padding, 0.0)
     if reduce:
         return loss.sum(), nll_loss.sum()
     return loss, nll_loss
