@@ -43,6 +43,7 @@ Shapes: B rows (hypotheses), g rows per group, h heads, d_k head size, S source 
 t steps cached, C capacity in steps.
 """
 
+from abc import ABC, abstractmethod
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -224,35 +225,35 @@ class Ancestry:
                                f"ancestry {self.steps}: add_step must run once per step")
 
 
-class KeyValueCache:
+class KeyValueCache(ABC):
     """The interface both caches share. ``group``: rows (hypotheses) of one sentence that share
     storage, 1 when each row has its own."""
 
     group: int = 1
 
+    @abstractmethod
     def append(self, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> None:
         """Keep keys and values (rows, h, L, d_k): the source cache's one row per distinct row
         (``distinct_rows``, B / g), the self-attention cache's one row per hypothesis (B); and the
         mask (B, 1, 1, L), True where a key may be attended to (None: all)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def keys_values(self) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """Keys and values (B / g, h, S, d_k) for the g * T queries of each group, and their
         additive mask (0 where a query may attend, -inf elsewhere), broadcastable to
         (B / g, h, g * T, S), or None."""
-        raise NotImplementedError
 
+    @abstractmethod
     def reorder(self, reorder: BeamReorder) -> None:
         """Follow beam search: row i continues row ``reorder.new_order[i]``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def own_keys_values(self) -> Tuple[Tensor, Tensor]:
         """Each row's own keys and values, (B, h, S, d_k), in the current order."""
-        raise NotImplementedError
 
+    @abstractmethod
     def ungroup(self) -> None:
         """Switch to one row of storage per hypothesis (g = 1) from now on."""
-        raise NotImplementedError
 
 
 class SourceAttentionCache(KeyValueCache):
