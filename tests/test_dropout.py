@@ -46,6 +46,24 @@ def test_survivors_are_scaled_by_the_rounded_p_and_the_gradient_follows_the_same
     assert torch.allclose(x.grad, g * kept * scale, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("p, cpu_mask, accepted", [
+    (0.0, True, True), (1 - 2 ** -15, True, True), (1 - 2 ** -17, True, False),
+    (1.0, True, False), (-0.1, True, False),
+    (1 - 2 ** -17, False, True), (1.0, False, False), (-0.1, False, False)])
+def test_a_dropout_built_directly_takes_only_the_probabilities_its_mask_can_draw(
+        p, cpu_mask, accepted):
+    """The model's flags are checked before (config.py); a Dropout built by hand checks its own:
+    the CPU mask's p, rounded to a multiple of 2^-15, stays below 1; torch's takes any p below
+    1."""
+    from fairseq_plugin.errors import PluginError
+
+    if accepted:
+        assert Dropout(p, cpu_mask=cpu_mask).p == p
+    else:
+        with pytest.raises(PluginError, match=rf"dropout probability {p} is not in \[0, 1"):
+            Dropout(p, cpu_mask=cpu_mask)
+
+
 def test_the_mean_is_unchanged_in_expectation():
     torch.manual_seed(2)
     x = torch.ones(1 << 20)
