@@ -70,6 +70,23 @@ CPU_HALF_DTYPES = [
     for dtype in (torch.float16, torch.bfloat16)]
 
 
+def _cpu_autocasts(dtype) -> bool:
+    try:
+        with torch.autocast("cpu", dtype=dtype):
+            return True
+    except RuntimeError:  # torch 2.1: "AutocastCPU only support Bfloat16"
+        return False
+
+
+# torch.autocast's half-precision dtypes on the CPU: fp16 skipped only on a torch older than 2.2
+# that lacks it
+CPU_AUTOCAST_DTYPES = [
+    pytest.param(dtype, id=name, marks=pytest.mark.skipif(
+        TORCH_RELEASE < (2, 2) and not _cpu_autocasts(dtype),
+        reason=f"this torch has no {dtype} autocast on the CPU"))
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"))]
+
+
 def random_tokens(dictionary, batch, length, generator=None):
     """Real (non-special) tokens, shape (batch, length)."""
     return torch.randint(dictionary.nspecial, len(dictionary), (batch, length), generator=generator)

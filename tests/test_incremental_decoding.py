@@ -8,8 +8,8 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 from omegaconf import OmegaConf
 
-from conftest import (PLUGIN_DIR, build_tiny_model, make_dictionary, random_tokens,
-                      reverse_data_bin, sharpen)
+from conftest import (CPU_AUTOCAST_DTYPES, PLUGIN_DIR, build_tiny_model, make_dictionary,
+                      random_tokens, reverse_data_bin, sharpen)
 from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, MultiHeadedAttention,
                                               explicit_attention)
 from fairseq_plugin.modules.cache import (Ancestry, BeamReorder, SelfAttentionCache,
@@ -146,7 +146,7 @@ def test_cache_follows_beam_reorders_and_a_shrinking_batch(beam_size_told, sourc
     assert (last_cached[:, -1] - full[:, -1]).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", CPU_AUTOCAST_DTYPES)
 def test_grouped_beam_steps_under_autocast_equal_a_full_pass(dtype):
     """Under torch.autocast (half precision over fp32 weights, e.g. around the hub's generate)
     the keys are half while the ancestry was made in the weights' dtype: it follows the keys,
