@@ -13,7 +13,8 @@ target's entropy) to eps / (V - 1) on every token, padding included. The two los
 comparable number for number; ``nll_loss`` (and so perplexity) is.
 
 We subclass fairseq's criterion for everything but the loss: the same flags
-(--label-smoothing, --report-accuracy, --ignore-prefix-size), logging and metric reduction.
+(--label-smoothing, --report-accuracy, --ignore-prefix-size, --sentence-avg), logging and metric
+reduction.
 """
 
 import math
