@@ -39,7 +39,7 @@ import os
 import shutil
 import tempfile
 from argparse import Namespace
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf, open_dict
@@ -51,7 +51,13 @@ from .models.annotated_transformer import resolved_model_config
 from .models.config import normalize_before
 from .modules.embeddings import SinusoidalPositionalEncoding
 
-TOLERANCE = 1e-4  # max |logit difference| accepted between the two models
+# max |logit difference| accepted between the two models, relative to the largest |logit| (at
+# least 1): float32 rounding grows with the logits
+TOLERANCE = 1e-4
+# what CTranslate2's converter writes: --force replaces a directory holding only these
+CTRANSLATE2_FILES = {"config.json", "model.bin", "shared_vocabulary.json", "source_vocabulary.json",
+                     "target_vocabulary.json", "shared_vocabulary.txt", "source_vocabulary.txt",
+                     "target_vocabulary.txt"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,12 +201,14 @@ def load_into_transformer(model: torch.nn.Module, mapped: Dict[str, Tensor]) -> 
 # Checking that both compute the same function
 # ---------------------------------------------------------------------------------------------
 
-def sample_batch(src_dict, tgt_dict, batch: int = 6, max_len: int = 12, seed: int = 0):
-    """Random sentences of different lengths: sources left-padded (as fairseq-generate batches
-    them), targets right-padded (as in training). Returns net_input and the target mask."""
+def sample_batch(src_dict, tgt_dict, batch: int = 6, max_len: int = 12, seed: int = 0,
+                 max_positions=(None, None)):
+    """Random sentences of different lengths, up to ``max_len`` tokens and within the model's
+    (source, target) ``max_positions``: sources left-padded (as fairseq-generate batches them),
+    targets right-padded (as in training). Returns net_input and the target mask."""
     g = torch.Generator().manual_seed(seed)
-    src_lens = torch.randint(2, max_len + 1, (batch,), generator=g)
-    tgt_lens = torch.randint(2, max_len + 1, (batch,), generator=g)
+    longest = [min(max_len, limit or max_len) for limit in max_positions]
+    src_lens, tgt_lens = (torch.randint(min(2, n), n + 1, (batch,), generator=g) for n in longest)
     src = torch.full((batch, int(src_lens.max())), src_dict.pad())
     prev = torch.full((batch, int(tgt_lens.max())), tgt_dict.pad())
     for b in range(batch):
@@ -215,14 +223,16 @@ def sample_batch(src_dict, tgt_dict, batch: int = 6, max_len: int = 12, seed: in
 
 
 @torch.no_grad()
-def max_logit_difference(ours, theirs, src_dict, tgt_dict) -> float:
-    """max |logits| difference at real target positions, teacher-forced, both in eval mode."""
+def logit_difference(ours, theirs, src_dict, tgt_dict) -> Tuple[float, float]:
+    """max |logits| difference at real target positions, teacher-forced, both in eval mode, and
+    the largest |logit| of ours there."""
     ours.eval()
     theirs.eval()
-    net_input, real = sample_batch(src_dict, tgt_dict)
+    net_input, real = sample_batch(src_dict, tgt_dict, max_positions=ours.max_positions())
     a = ours(**net_input)[0][real]
     b = theirs(**net_input)[0][real]
-    return float((a - b).abs().max())
+    return float((a - b).abs().max()), float(a.abs().max())
+
 
 
 def layer_norm_placement(args: Namespace) -> str:
@@ -273,9 +283,11 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
     if not os.path.isfile(checkpoint):
         raise PluginError(f"no checkpoint at {checkpoint}; give the path of a .pt file")
     check_output_file(output, force, example="transformer.pt")
-    if ctranslate2_dir and os.path.exists(ctranslate2_dir) and not force:
-        raise PluginError(f"{ctranslate2_dir} already exists; choose another --ctranslate2 or "
-                          f"pass --force")
+    if os.path.exists(output) and os.path.samefile(output, checkpoint):
+        raise PluginError(f"--output {output} is the checkpoint being exported; give another "
+                          f"path (the export keeps the original)")
+    if ctranslate2_dir:
+        check_ctranslate2_dir(ctranslate2_dir, output, force)
     state = checkpoint_utils.load_checkpoint_to_cpu(checkpoint)  # plugin: one-line errors
     cfg = state["cfg"]
     ours_args = resolved_model_config(cfg.model) if cfg.model is not None else None
@@ -284,9 +296,11 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
         raise PluginError(f"{checkpoint} is a '{arch}' checkpoint, not an annotated_transformer "
                           "one; only annotated_transformer checkpoints can be exported")
     data = data or cfg.task.data
-    if not data or not os.path.isdir(data):
-        raise PluginError(f"the data-bin '{data}' (with the dict.*.txt the model was trained "
-                          "with) does not exist; pass it with --data")
+    # fairseq's sharded data-bins (DIR1:DIR2:...) hold the same dictionaries in each: the first
+    dictionaries = (data or "").split(os.pathsep)[0]
+    if not os.path.isdir(dictionaries):
+        raise PluginError(f"the data-bin '{dictionaries}' (with the dict.*.txt the model was "
+                          "trained with) does not exist; pass it with --data")
     task_cfg = copy.deepcopy(cfg.task)
     with open_dict(task_cfg) if OmegaConf.is_config(task_cfg) else contextlib.nullcontext():
         task_cfg.data = data
@@ -305,15 +319,16 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
     theirs = models.build_model(copy.deepcopy(args), task)
     load_into_transformer(theirs, mapped)
     try:
-        diff = max_logit_difference(ours_model, theirs, task.source_dictionary,
-                                    task.target_dictionary)
+        diff, largest = logit_difference(ours_model, theirs, task.source_dictionary,
+                                         task.target_dictionary)
     except RuntimeError as e:
         if not fairseq_post_ln_bug(e):
             raise  # any other failure keeps its traceback
         raise PluginError(f"cannot export: {fairseq_cannot_run(e)}") from e
-    if not diff <= TOLERANCE:
+    if not diff <= TOLERANCE * max(1.0, largest):
         raise PluginError(f"cannot export: the converted model's logits differ by {diff:.2e} "
-                          f"(more than {TOLERANCE:g}) from the original's")
+                          f"from the original's (more than {TOLERANCE:g} x the largest |logit|, "
+                          f"{largest:.3g})")
     log(f"annotated-export-fairseq: same logits as the original (max |diff| {diff:.1e})")
 
     raw = load_plain(checkpoint)
@@ -345,17 +360,40 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
         "last_optimizer_state": None,
     }
     if ctranslate2_dir:  # first: CTranslate2 refuses options it does not support
-        to_ctranslate2(exported, data, ctranslate2_dir, args, force)
+        to_ctranslate2(exported, dictionaries, ctranslate2_dir, args)
     save_whole(exported, output)  # never a half-written checkpoint
+    positions = "no positions" if args.no_token_positional_embeddings else "learned positions"
     log(f"annotated-export-fairseq: wrote {output} (--arch transformer, "
-        f"{layer_norm_placement(args)}, learned positions)")
+        f"{layer_norm_placement(args)}, {positions})")
     if ctranslate2_dir:
         log(f"annotated-export-fairseq: wrote the CTranslate2 model {ctranslate2_dir}")
     return diff
 
 
-def to_ctranslate2(exported: dict, data: str, output_dir: str, args: Namespace, force: bool):
-    """Convert with CTranslate2's own fairseq converter.
+def check_ctranslate2_dir(path: str, output: str, force: bool) -> None:
+    """One line for a --ctranslate2 directory that may not be written: the --output file, a
+    file, or an existing directory without --force; with --force, only an earlier CTranslate2
+    model (its files alone) is replaced, never a folder of other files."""
+    if os.path.abspath(path) == os.path.abspath(output):
+        raise PluginError(f"--ctranslate2 and --output both name {path}; give the CTranslate2 "
+                          f"model a directory of its own")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise PluginError(f"--ctranslate2 {path} is a file; give a directory for the CTranslate2 "
+                          f"model")
+    if not os.path.isdir(path):
+        return
+    if not force:
+        raise PluginError(f"{path} already exists; choose another --ctranslate2 or pass --force")
+    others = sorted(set(os.listdir(path)) - CTRANSLATE2_FILES)
+    if others:
+        raise PluginError(f"--ctranslate2 {path} holds files that are not a CTranslate2 model's "
+                          f"(e.g. {others[0]}); --force replaces only an earlier CTranslate2 "
+                          f"model: give a new directory")
+
+
+def to_ctranslate2(exported: dict, data: str, output_dir: str, args: Namespace):
+    """Convert with CTranslate2's own fairseq converter, into a new directory beside
+    ``output_dir`` that then replaces it (checked by ``check_ctranslate2_dir``).
 
     The converter reads ``cfg["model"]`` with attribute access, so it is given a copy whose
     model configuration is a Namespace, which this plugin lets torch >= 2.4 load with
@@ -367,19 +405,25 @@ def to_ctranslate2(exported: dict, data: str, output_dir: str, args: Namespace, 
     except ImportError as e:
         raise PluginError("--ctranslate2 needs the ctranslate2 package: pip install ctranslate2"
                           ) from e
-    with tempfile.TemporaryDirectory() as tmp:
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    os.makedirs(parent, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(
+            dir=parent, prefix=".ctranslate2-") as new:
         path = os.path.join(tmp, "transformer.pt")
         torch.save({**exported, "cfg": {**exported["cfg"], "model": copy.deepcopy(args)}}, path)
         converter = FairseqConverter(path, data, source_lang=args.source_lang,
                                      target_lang=args.target_lang,
                                      unsafe_deserialization=not HAS_ALLOWLIST)
+        converted = os.path.join(new, "model")
         try:
-            converter.convert(output_dir, force=force)
+            converter.convert(converted)
         except ValueError as e:  # CTranslate2 explains unsupported options in a ValueError
-            if os.path.isdir(output_dir) and not os.listdir(output_dir):
-                shutil.rmtree(output_dir)
-            raise PluginError(f"CTranslate2 cannot convert this model: {e}".replace("\n", " ")
-                              ) from e
+            reason = " ".join(str(e).split())
+            raise PluginError(f"CTranslate2 cannot convert this model: {reason}; drop "
+                              f"--ctranslate2 to write only the fairseq export") from e
+        if os.path.isdir(output_dir):  # an earlier CTranslate2 model (check_ctranslate2_dir)
+            shutil.rmtree(output_dir)
+        os.replace(converted, output_dir)
 
 
 def main(argv=None):

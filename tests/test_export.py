@@ -12,11 +12,12 @@ from fairseq import models
 from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_plugin.cli import reverse_task
-from conftest import FAIRSEQ_BREAKS_POST_LN, REPO, build_tiny_model, cli, make_dictionary
+from conftest import (FAIRSEQ_BREAKS_POST_LN, REPO, assert_one_line_error, build_tiny_model, cli,
+                      make_dictionary)
 from fairseq_plugin.errors import PluginError
 from fairseq_plugin.export import (
     load_into_transformer,
-    max_logit_difference,
+    logit_difference,
     sample_batch,
     transformer_args,
     transformer_state_dict,
@@ -68,12 +69,12 @@ def ours_args(overrides):
 @pytest.mark.parametrize("config", RUNNABLE_CONFIGS)
 def test_exported_transformer_gives_the_same_logits(config):
     ours, theirs, src, tgt = exported_pair(**CONFIGS[config])
-    diff = max_logit_difference(ours, theirs, src, tgt)
+    diff, _ = logit_difference(ours, theirs, src, tgt)
     assert diff <= 1e-4, diff
     # and the check can fail: one perturbed parameter shows
     with torch.no_grad():
         theirs.decoder.layers[-1].fc2.bias[0] += 0.5
-    assert max_logit_difference(ours, theirs, src, tgt) > 1e-3
+    assert logit_difference(ours, theirs, src, tgt)[0] > 1e-3
 
 
 @pytest.mark.parametrize("config", RUNNABLE_CONFIGS)
@@ -106,7 +107,7 @@ def test_a_checkpoint_saved_in_half_precision_exports_exact_sinusoids(stored):
     args = transformer_args(ours_args(dict(share_all_embeddings=True)))
     theirs = models.build_model(args, SimpleNamespace(source_dictionary=src, target_dictionary=src))
     load_into_transformer(theirs, transformer_state_dict(state, args, src.pad(), src.pad()))
-    assert max_logit_difference(ours.eval(), theirs.eval(), src, src) <= 1e-4
+    assert logit_difference(ours.eval(), theirs.eval(), src, src)[0] <= 1e-4
 
 
 def test_a_parameter_without_counterpart_is_refused():
@@ -231,6 +232,86 @@ def test_export_refuses_to_overwrite_without_force_and_a_directory_as_output(
     assert os.listdir(tmp_path) == [] and not os.path.exists(f"{tmp_path}.tmp")
 
 
+def test_force_replaces_only_earlier_exports_never_the_original_or_the_users_files(
+        reverse_run, exported, tmp_path):
+    """--force overwrites an earlier export and an earlier CTranslate2 model; it refuses, in one
+    line and before anything is written, the checkpoint itself as --output and, as the
+    CTranslate2 directory, a folder of other files (CTranslate2's own --force would delete it),
+    a file, or the --output path."""
+    import shutil
+
+    original = tmp_path / "checkpoints" / "checkpoint_best.pt"
+    original.parent.mkdir()
+    shutil.copy(reverse_run["checkpoint"], original)
+    before = original.read_bytes()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me too")
+    out = tmp_path / "transformer.pt"
+    refusals = [
+        (["--output", original], f"--output {original} is the checkpoint being exported; give "
+                                 f"another path (the export keeps the original)"),
+        (["--output", out, "--ctranslate2", original.parent],
+         f"--ctranslate2 {original.parent} holds files that are not a CTranslate2 model's (e.g. "
+         f"checkpoint_best.pt); --force replaces only an earlier CTranslate2 model: give a new "
+         f"directory"),
+        (["--output", out, "--ctranslate2", mine], "(e.g. notes.txt)"),
+        (["--output", out, "--ctranslate2", a_file], f"--ctranslate2 {a_file} is a file; give a "
+                                                     f"directory for the CTranslate2 model"),
+        (["--output", out, "--ctranslate2", out], f"--ctranslate2 and --output both name {out}"),
+    ]
+    for args, message in refusals:
+        proc = export_cli(original, *args, "--force")
+        assert_one_line_error(proc, "annotated-export-fairseq: error: ", message)
+    assert original.read_bytes() == before
+    assert sorted(os.listdir(original.parent)) == ["checkpoint_best.pt"]
+    assert os.listdir(mine) == ["notes.txt"] and a_file.read_text() == "keep me too"
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "checkpoints", "mine"]
+    # an earlier export and CTranslate2 model are replaced
+    earlier = tmp_path / "ct2"
+    shutil.copytree(exported["ct2"], earlier)
+    (earlier / "model.bin").write_bytes(b"an earlier model")
+    out.write_bytes(b"an earlier export")
+    proc = export_cli(original, "--output", out, "--ctranslate2", earlier, "--force")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (earlier / "model.bin").read_bytes() == (exported["ct2"] / "model.bin").read_bytes()
+    assert torch.load(out, weights_only=True)["cfg"]["model"]["arch"] == "transformer"
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "checkpoints", "ct2", "mine",
+                                            "transformer.pt"]  # no temporary directory left
+
+
+def test_a_model_with_short_position_limits_is_compared_within_them():
+    """The check's sample sentences stay within --max-source/target-positions (a model of 8 and 6
+    positions would otherwise refuse the check's 12-token sentences)."""
+    ours, theirs, src, tgt = exported_pair(max_source_positions=8, max_target_positions=6,
+                                           encoder_learned_pos=True, decoder_learned_pos=True)
+    widths = [(net_input["src_tokens"].size(1), net_input["prev_output_tokens"].size(1))
+              for net_input, _ in (sample_batch(src, tgt, seed=seed, max_positions=(8, 6))
+                                   for seed in range(10))]
+    assert max(w for w, _ in widths) == 8 and max(t for _, t in widths) == 6  # up to the limits
+    diff, largest = logit_difference(ours, theirs, src, tgt)
+    assert diff <= 1e-4 * largest
+
+
+def test_the_export_log_names_the_positions_it_wrote(reverse_run, tmp_path):
+    """Sinusoids become a learned table; a model without positional encodings gets none."""
+    from fairseq_plugin.export import export
+
+    state = torch.load(reverse_run["checkpoint"], weights_only=False)
+    state["cfg"]["model"]["no_token_positional_embeddings"] = True  # sinusoids: no parameters
+    torch.save(state, tmp_path / "no_positions.pt")
+    for checkpoint, positions in ((reverse_run["checkpoint"], "learned positions"),
+                                  (tmp_path / "no_positions.pt", "no positions")):
+        lines = []
+        export(str(checkpoint), str(tmp_path / "transformer.pt"), str(reverse_run["data_bin"]),
+               force=True, log=lines.append)
+        assert lines[-1].endswith(f"(--arch transformer, pre-LN, {positions})"), lines
+        exported_cfg = torch.load(tmp_path / "transformer.pt", weights_only=True)["cfg"]["model"]
+        assert exported_cfg["encoder_learned_pos"] == (positions == "learned positions")
+
+
 def test_options_ctranslate2_does_not_support_are_refused_in_one_line(tmp_path):
     from fairseq_plugin.export import to_ctranslate2
 
@@ -238,9 +319,10 @@ def test_options_ctranslate2_does_not_support_are_refused_in_one_line(tmp_path):
     args.source_lang, args.target_lang = "src", "tgt"
     exported = {"args": None, "cfg": {"model": {}}, "model": {}}
     with pytest.raises(PluginError, match="CTranslate2 cannot convert this model: .*"
-                                          "--no-token-positional-embeddings is not supported"):
-        to_ctranslate2(exported, str(tmp_path), str(tmp_path / "ct2"), args, force=False)
-    assert not (tmp_path / "ct2").exists()
+                                          "--no-token-positional-embeddings is not supported.*; "
+                                          "drop --ctranslate2 to write only the fairseq export$"):
+        to_ctranslate2(exported, str(tmp_path), str(tmp_path / "ct2"), args)
+    assert sorted(os.listdir(tmp_path)) == []  # nor a temporary directory left
 
 
 def test_a_model_ctranslate2_cannot_convert_is_refused_before_the_export_is_written(tmp_path):
@@ -274,7 +356,8 @@ def test_an_export_whose_logits_differ_is_refused_and_writes_nothing(reverse_run
 
     monkeypatch.setattr(export_module, "transformer_state_dict", slightly_wrong)
     out = tmp_path / "transformer.pt"
-    with pytest.raises(PluginError, match=r"logits differ by .* \(more than 0.0001\)"):
+    with pytest.raises(PluginError, match=r"logits differ by .* from the original's \(more than "
+                                          r"0.0001 x the largest \|logit\|, [\d.]+\)"):
         export_module.export(str(reverse_run["checkpoint"]), str(out),
                              str(reverse_run["data_bin"]), log=lambda *_: None)
     assert not out.exists()
