@@ -469,6 +469,15 @@ def test_averaging_refuses_to_overwrite_and_to_average_too_few(trained, tmp_path
         average_checkpoints.main(["--inputs", str(ckpt / "checkpoint1.pt"),
                                   "--output", str(existing)])
     assert existing.read_text() == "precious"
+    # --force replaces an earlier output, never one of the inputs (the last epoch, say)
+    before = (ckpt / "checkpoint2.pt").read_bytes()
+    with pytest.raises(SystemExit) as exited:
+        average_checkpoints.main(["--inputs", str(ckpt), "--num-epoch-checkpoints", "2",
+                                  "--output", str(ckpt / "checkpoint2.pt"), "--force"])
+    assert str(exited.value) == (
+        f"annotated-average-checkpoints: error: --output {ckpt / 'checkpoint2.pt'} is one of the "
+        f"checkpoints to average; give another path (averaging keeps its inputs)")
+    assert (ckpt / "checkpoint2.pt").read_bytes() == before
 
 
 @pytest.mark.parametrize("args, message", [

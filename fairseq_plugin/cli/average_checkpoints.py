@@ -142,6 +142,10 @@ def main(argv=None):
         else:
             paths = args.inputs
         check_output_file(args.output, args.force, example="checkpoint_avg.pt")
+        if any(os.path.exists(args.output) and os.path.samefile(args.output, path)
+               for path in paths):
+            raise PluginError(f"--output {args.output} is one of the checkpoints to average; "
+                              f"give another path (averaging keeps its inputs)")
         save_whole(average(paths), args.output)  # never a half-written checkpoint
     except PluginError as e:
         exit_in_one_line("annotated-average-checkpoints", e)
