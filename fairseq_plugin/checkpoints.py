@@ -97,6 +97,11 @@ def check_output_file(path: str, force: bool, example: str) -> None:
         raise PluginError(f"{path} already exists; choose another output or pass --force")
 
 
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths name one existing file (through links too)."""
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
+
 def save_whole(state: dict, path: str) -> None:
     """torch.save ``state`` to ``path`` whole or not at all: written to PATH.tmp (its folder
     made if need be), then renamed; a failed write leaves no PATH.tmp behind."""

@@ -45,7 +45,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from torch import Tensor
 
-from .checkpoints import HAS_ALLOWLIST, check_output_file, load_plain, save_whole
+from .checkpoints import HAS_ALLOWLIST, check_output_file, load_plain, same_file, save_whole
 from .errors import PluginError, exit_in_one_line
 from .models.annotated_transformer import resolved_model_config
 from .models.config import normalize_before
@@ -202,13 +202,14 @@ def load_into_transformer(model: torch.nn.Module, mapped: Dict[str, Tensor]) -> 
 # ---------------------------------------------------------------------------------------------
 
 def sample_batch(src_dict, tgt_dict, batch: int = 6, max_len: int = 12, seed: int = 0,
-                 max_positions=(None, None)):
+                 max_positions: Tuple[Optional[int], Optional[int]] = (None, None)):
     """Random sentences of different lengths, up to ``max_len`` tokens and within the model's
     (source, target) ``max_positions``: sources left-padded (as fairseq-generate batches them),
     targets right-padded (as in training). Returns net_input and the target mask."""
     g = torch.Generator().manual_seed(seed)
-    longest = [min(max_len, limit or max_len) for limit in max_positions]
-    src_lens, tgt_lens = (torch.randint(min(2, n), n + 1, (batch,), generator=g) for n in longest)
+    src_max, tgt_max = (min(max_len, limit or max_len) for limit in max_positions)
+    src_lens = torch.randint(min(2, src_max), src_max + 1, (batch,), generator=g)
+    tgt_lens = torch.randint(min(2, tgt_max), tgt_max + 1, (batch,), generator=g)
     src = torch.full((batch, int(src_lens.max())), src_dict.pad())
     prev = torch.full((batch, int(tgt_lens.max())), tgt_dict.pad())
     for b in range(batch):
@@ -233,6 +234,10 @@ def logit_difference(ours, theirs, src_dict, tgt_dict) -> Tuple[float, float]:
     b = theirs(**net_input)[0][real]
     return float((a - b).abs().max()), float(a.abs().max())
 
+
+def logits_agree(diff: float, largest: float) -> bool:
+    """Within TOLERANCE, relative to the largest |logit| (at least 1)."""
+    return diff <= TOLERANCE * max(1.0, largest)
 
 
 def layer_norm_placement(args: Namespace) -> str:
@@ -279,13 +284,14 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
     """Write the fairseq transformer checkpoint (and the CTranslate2 model); returns the max
     logit difference measured between the original and the export."""
     from fairseq import checkpoint_utils, models, tasks
+    from fairseq import utils as fairseq_utils
 
     if not os.path.isfile(checkpoint):
         raise PluginError(f"no checkpoint at {checkpoint}; give the path of a .pt file")
-    check_output_file(output, force, example="transformer.pt")
-    if os.path.exists(output) and os.path.samefile(output, checkpoint):
+    if same_file(output, checkpoint):
         raise PluginError(f"--output {output} is the checkpoint being exported; give another "
                           f"path (the export keeps the original)")
+    check_output_file(output, force, example="transformer.pt")
     if ctranslate2_dir:
         check_ctranslate2_dir(ctranslate2_dir, output, force)
     state = checkpoint_utils.load_checkpoint_to_cpu(checkpoint)  # plugin: one-line errors
@@ -296,8 +302,11 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
         raise PluginError(f"{checkpoint} is a '{arch}' checkpoint, not an annotated_transformer "
                           "one; only annotated_transformer checkpoints can be exported")
     data = data or cfg.task.data
+    if not data:
+        raise PluginError(f"{checkpoint} records no data-bin; pass the one with the dict.*.txt "
+                          "the model was trained with as --data")
     # fairseq's sharded data-bins (DIR1:DIR2:...) hold the same dictionaries in each: the first
-    dictionaries = (data or "").split(os.pathsep)[0]
+    dictionaries = fairseq_utils.split_paths(data)[0]
     if not os.path.isdir(dictionaries):
         raise PluginError(f"the data-bin '{dictionaries}' (with the dict.*.txt the model was "
                           "trained with) does not exist; pass it with --data")
@@ -325,10 +334,10 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
         if not fairseq_post_ln_bug(e):
             raise  # any other failure keeps its traceback
         raise PluginError(f"cannot export: {fairseq_cannot_run(e)}") from e
-    if not diff <= TOLERANCE * max(1.0, largest):
+    if not logits_agree(diff, largest):
         raise PluginError(f"cannot export: the converted model's logits differ by {diff:.2e} "
                           f"from the original's (more than {TOLERANCE:g} x the largest |logit|, "
-                          f"{largest:.3g})")
+                          f"at least 1: {TOLERANCE * max(1.0, largest):.2e})")
     log(f"annotated-export-fairseq: same logits as the original (max |diff| {diff:.1e})")
 
     raw = load_plain(checkpoint)
@@ -339,8 +348,8 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
     raw_cfg["common"] = common
     criterion = raw_cfg.get("criterion")
     if isinstance(criterion, dict) and criterion.get("_name") == "annotated_label_smoothing":
-        # fairseq's nearest criterion, not the same loss: it spreads the smoothing over V - 1
-        # tokens, padding included, the notebook's over V - 2 (fairseq-validate differs a little)
+        # fairseq's nearest criterion, not the same loss: a cross-entropy, which reads about the
+        # smoothed target's entropy higher than the notebook's KL (compare nll_loss)
         raw_cfg["criterion"] = {**criterion, "_name": "label_smoothed_cross_entropy"}
     history = [dict(h) for h in raw.get("optimizer_history", [])]
     for h in history:
@@ -371,29 +380,38 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
 
 
 def check_ctranslate2_dir(path: str, output: str, force: bool) -> None:
-    """One line for a --ctranslate2 directory that may not be written: the --output file, a
-    file, or an existing directory without --force; with --force, only an earlier CTranslate2
-    model (its files alone) is replaced, never a folder of other files."""
-    if os.path.abspath(path) == os.path.abspath(output):
-        raise PluginError(f"--ctranslate2 and --output both name {path}; give the CTranslate2 "
-                          f"model a directory of its own")
+    """One line for a --ctranslate2 directory that may not be written: one holding --output, a
+    file or a link, a folder of other files than an earlier CTranslate2 model's (--force would
+    replace it), or an earlier model without --force."""
+    real = os.path.realpath(path)
+    if os.path.realpath(output) == real or os.path.realpath(output).startswith(real + os.sep):
+        raise PluginError(f"--ctranslate2 {path} would hold --output {output}; give the "
+                          f"CTranslate2 model a directory of its own")
+    if os.path.islink(path):
+        raise PluginError(f"--ctranslate2 {path} is a symbolic link; give the directory itself")
     if os.path.exists(path) and not os.path.isdir(path):
         raise PluginError(f"--ctranslate2 {path} is a file; give a directory for the CTranslate2 "
                           f"model")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise PluginError(f"--ctranslate2 {path}: {parent} is a file, not a directory")
     if not os.path.isdir(path):
         return
-    if not force:
-        raise PluginError(f"{path} already exists; choose another --ctranslate2 or pass --force")
     others = sorted(set(os.listdir(path)) - CTRANSLATE2_FILES)
     if others:
         raise PluginError(f"--ctranslate2 {path} holds files that are not a CTranslate2 model's "
                           f"(e.g. {others[0]}); --force replaces only an earlier CTranslate2 "
                           f"model: give a new directory")
+    if not force:
+        raise PluginError(f"{path} already exists; choose another --ctranslate2 or pass --force")
 
 
 def to_ctranslate2(exported: dict, data: str, output_dir: str, args: Namespace):
-    """Convert with CTranslate2's own fairseq converter, into a new directory beside
-    ``output_dir`` that then replaces it (checked by ``check_ctranslate2_dir``).
+    """Convert with CTranslate2's own fairseq converter, into a temporary directory that then
+    replaces ``output_dir`` (checked by ``check_ctranslate2_dir``): nothing is written there when
+    CTranslate2 refuses the model.
 
     The converter reads ``cfg["model"]`` with attribute access, so it is given a copy whose
     model configuration is a Namespace, which this plugin lets torch >= 2.4 load with
@@ -405,16 +423,13 @@ def to_ctranslate2(exported: dict, data: str, output_dir: str, args: Namespace):
     except ImportError as e:
         raise PluginError("--ctranslate2 needs the ctranslate2 package: pip install ctranslate2"
                           ) from e
-    parent = os.path.dirname(os.path.abspath(output_dir))
-    os.makedirs(parent, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(
-            dir=parent, prefix=".ctranslate2-") as new:
+    with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "transformer.pt")
         torch.save({**exported, "cfg": {**exported["cfg"], "model": copy.deepcopy(args)}}, path)
         converter = FairseqConverter(path, data, source_lang=args.source_lang,
                                      target_lang=args.target_lang,
                                      unsafe_deserialization=not HAS_ALLOWLIST)
-        converted = os.path.join(new, "model")
+        converted = os.path.join(tmp, "ctranslate2")
         try:
             converter.convert(converted)
         except ValueError as e:  # CTranslate2 explains unsupported options in a ValueError
@@ -423,7 +438,8 @@ def to_ctranslate2(exported: dict, data: str, output_dir: str, args: Namespace):
                               f"--ctranslate2 to write only the fairseq export") from e
         if os.path.isdir(output_dir):  # an earlier CTranslate2 model (check_ctranslate2_dir)
             shutil.rmtree(output_dir)
-        os.replace(converted, output_dir)
+        os.makedirs(os.path.dirname(os.path.abspath(output_dir)), exist_ok=True)
+        shutil.move(converted, output_dir)
 
 
 def main(argv=None):
@@ -437,7 +453,9 @@ def main(argv=None):
                                   "(default: the one recorded in the checkpoint)")
     p.add_argument("--ctranslate2", metavar="DIR",
                    help="also convert the export into a CTranslate2 model directory")
-    p.add_argument("--force", action="store_true", help="overwrite existing outputs")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an existing --output (never the checkpoint) and an earlier "
+                        "CTranslate2 model")
     args = p.parse_args(argv)
     try:
         export(args.checkpoint, args.output, args.data, args.ctranslate2, args.force)

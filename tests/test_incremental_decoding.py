@@ -167,7 +167,7 @@ def test_grouped_beam_steps_under_autocast_equal_a_full_pass(dtype):
             assert step.dtype == full.dtype == dtype
             rounding = 4 * torch.finfo(dtype).eps * float(full.abs().max())
             assert (step[:, -1] - full[:, -1]).abs().max() <= rounding
-            order = (sentence * 2 + torch.randint(0, 2, (4,), generator=g))  # within groups
+            order = sentence * 2 + torch.randint(0, 2, (4,), generator=g)  # within groups
             model.decoder.reorder_incremental_state_scripting(state, order)
             encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
             tokens = torch.cat([tokens.index_select(0, order), random_tokens(d, 4, 1, g)], 1)

@@ -471,13 +471,20 @@ def test_averaging_refuses_to_overwrite_and_to_average_too_few(trained, tmp_path
     assert existing.read_text() == "precious"
     # --force replaces an earlier output, never one of the inputs (the last epoch, say)
     before = (ckpt / "checkpoint2.pt").read_bytes()
-    with pytest.raises(SystemExit) as exited:
-        average_checkpoints.main(["--inputs", str(ckpt), "--num-epoch-checkpoints", "2",
-                                  "--output", str(ckpt / "checkpoint2.pt"), "--force"])
-    assert str(exited.value) == (
-        f"annotated-average-checkpoints: error: --output {ckpt / 'checkpoint2.pt'} is one of the "
-        f"checkpoints to average; give another path (averaging keeps its inputs)")
+    for force in (["--force"], []):
+        with pytest.raises(SystemExit) as exited:
+            average_checkpoints.main(["--inputs", str(ckpt), "--num-epoch-checkpoints", "2",
+                                      "--output", str(ckpt / "checkpoint2.pt"), *force])
+        assert str(exited.value) == (
+            f"annotated-average-checkpoints: error: --output {ckpt / 'checkpoint2.pt'} is one of "
+            f"the checkpoints to average; give another path (averaging keeps its inputs)")
     assert (ckpt / "checkpoint2.pt").read_bytes() == before
+    # an input that is missing is named as such, --force or not
+    with pytest.raises(SystemExit, match="no checkpoint at"):
+        average_checkpoints.main(["--inputs", str(tmp_path / "missing.pt"),
+                                  str(ckpt / "checkpoint1.pt"), "--output", str(existing),
+                                  "--force"])
+    assert existing.read_text() == "precious"
 
 
 @pytest.mark.parametrize("args, message", [

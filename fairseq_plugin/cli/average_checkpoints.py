@@ -19,7 +19,7 @@ import os
 import re
 
 
-from ..checkpoints import check_output_file, load_plain, save_whole
+from ..checkpoints import check_output_file, load_plain, same_file, save_whole
 from ..errors import PluginError, exit_in_one_line
 
 
@@ -119,7 +119,8 @@ def main(argv=None):
     group = p.add_mutually_exclusive_group()
     group.add_argument("--num-epoch-checkpoints", type=int, help="average the last N epochs")
     group.add_argument("--num-update-checkpoints", type=int, help="average the last N updates")
-    p.add_argument("--force", action="store_true", help="overwrite --output if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite --output if it exists (never one of the inputs)")
     args = p.parse_args(argv)
 
     try:
@@ -141,11 +142,10 @@ def main(argv=None):
                     f"--num-update-checkpoints N to average its last N checkpoints")
         else:
             paths = args.inputs
-        check_output_file(args.output, args.force, example="checkpoint_avg.pt")
-        if any(os.path.exists(args.output) and os.path.samefile(args.output, path)
-               for path in paths):
+        if any(same_file(args.output, path) for path in paths):
             raise PluginError(f"--output {args.output} is one of the checkpoints to average; "
                               f"give another path (averaging keeps its inputs)")
+        check_output_file(args.output, args.force, example="checkpoint_avg.pt")
         save_whole(average(paths), args.output)  # never a half-written checkpoint
     except PluginError as e:
         exit_in_one_line("annotated-average-checkpoints", e)

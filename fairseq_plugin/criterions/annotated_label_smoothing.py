@@ -9,8 +9,8 @@ The loss is KL(target || model) summed over tokens (``nn.KLDivLoss(reduction="su
 notebook's class, written out, is ``fairseq_plugin.reference.LabelSmoothing``, which the tests
 hold this closed form equal to.
 fairseq's ``label_smoothed_cross_entropy`` differs: a cross-entropy (which is the KL plus the
-target's entropy) to eps / (V - 1) on every token, padding included. The two losses are not
-comparable number for number; ``nll_loss`` (and so perplexity) is.
+target's entropy) to eps / (V - 1) on every token but the gold one, padding included. The two
+losses are not comparable number for number; ``nll_loss`` (and so perplexity) is.
 
 We subclass fairseq's criterion for everything but the loss: the same flags
 (--label-smoothing, --report-accuracy, --ignore-prefix-size, --sentence-avg), logging and metric
