@@ -87,19 +87,23 @@ def load_plain(path: str) -> dict:
         return torch.load(path, map_location="cpu", weights_only=HAS_ALLOWLIST)
 
 
-def check_output_file(path: str, force: bool, example: str) -> None:
-    """One line for an ``--output`` file that may not be written: a directory (``example``
-    names a file in it), or an existing file without ``--force``."""
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths name one existing file (through links too)."""
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
+
+def check_output_file(path: str, force: bool, example: str, inputs=()) -> None:
+    """One line for an ``--output`` file that may not be written: one of the command's
+    ``inputs`` (--force or not), a directory (``example`` names a file in it), or an existing
+    file without ``--force``."""
+    if any(same_file(path, read) for read in inputs):
+        raise PluginError(f"--output {path} is one of this command's inputs; give another path "
+                          f"(inputs are kept)")
     if os.path.isdir(path):
         raise PluginError(f"--output {path} is a directory; give a file name, e.g. "
                           f"{os.path.join(path, example)}")
     if os.path.exists(path) and not force:
         raise PluginError(f"{path} already exists; choose another output or pass --force")
-
-
-def same_file(a: str, b: str) -> bool:
-    """Whether two paths name one existing file (through links too)."""
-    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
 
 
 def save_whole(state: dict, path: str) -> None:

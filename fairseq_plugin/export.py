@@ -45,7 +45,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from torch import Tensor
 
-from .checkpoints import HAS_ALLOWLIST, check_output_file, load_plain, same_file, save_whole
+from .checkpoints import HAS_ALLOWLIST, check_output_file, load_plain, save_whole
 from .errors import PluginError, exit_in_one_line
 from .models.annotated_transformer import resolved_model_config
 from .models.config import normalize_before
@@ -288,10 +288,7 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
 
     if not os.path.isfile(checkpoint):
         raise PluginError(f"no checkpoint at {checkpoint}; give the path of a .pt file")
-    if same_file(output, checkpoint):
-        raise PluginError(f"--output {output} is the checkpoint being exported; give another "
-                          f"path (the export keeps the original)")
-    check_output_file(output, force, example="transformer.pt")
+    check_output_file(output, force, example="transformer.pt", inputs=[checkpoint])
     if ctranslate2_dir:
         check_ctranslate2_dir(ctranslate2_dir, output, force)
     state = checkpoint_utils.load_checkpoint_to_cpu(checkpoint)  # plugin: one-line errors

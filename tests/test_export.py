@@ -253,8 +253,8 @@ def test_force_never_writes_over_the_checkpoint_nor_empties_a_folder_of_other_fi
     out = tmp_path / "transformer.pt"
     link = tmp_path / "link"
     link.symlink_to(exported["ct2"])
-    itself = f"--output {original} is the checkpoint being exported; give another path (the " \
-             f"export keeps the original)"
+    itself = f"--output {original} is one of this command's inputs; give another path " \
+             f"(inputs are kept)"
     assert_one_line_error(export_cli(original, "--output", original), itself)  # not: --force
     refusals = [
         (["--output", original], itself),

@@ -375,6 +375,14 @@ def test_evaluation_refuses_bad_input_in_one_line_and_keeps_earlier_outputs(trai
     assert_one_line_error(proc, f"annotated-evaluate-bleu: error: --output {tmp_path} is a "
                                 f"directory; give a file name, e.g. {tmp_path}/hypotheses.txt")
     assert "fairseq-generate" not in proc.stderr
+    # nor an input: the checkpoint stays
+    checkpoint = w / "checkpoints" / "checkpoint_last.pt"
+    before = checkpoint.read_bytes()
+    proc = cli("annotated-evaluate-bleu", w / "bin", checkpoint, "--output", checkpoint,
+               check=False)
+    assert_one_line_error(proc, f"annotated-evaluate-bleu: error: --output {checkpoint} is one of "
+                                f"this command's inputs; give another path (inputs are kept)")
+    assert checkpoint.read_bytes() == before
 
 
 def test_averaging_two_checkpoints_gives_the_mean_and_still_generates(trained, tmp_path):
@@ -477,7 +485,7 @@ def test_averaging_refuses_to_overwrite_and_to_average_too_few(trained, tmp_path
                                       "--output", str(ckpt / "checkpoint2.pt"), *force])
         assert str(exited.value) == (
             f"annotated-average-checkpoints: error: --output {ckpt / 'checkpoint2.pt'} is one of "
-            f"the checkpoints to average; give another path (averaging keeps its inputs)")
+            f"this command's inputs; give another path (inputs are kept)")
     assert (ckpt / "checkpoint2.pt").read_bytes() == before
     # an input that is missing is named as such, --force or not
     with pytest.raises(SystemExit, match="no checkpoint at"):

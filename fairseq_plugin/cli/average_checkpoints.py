@@ -19,7 +19,7 @@ import os
 import re
 
 
-from ..checkpoints import check_output_file, load_plain, same_file, save_whole
+from ..checkpoints import check_output_file, load_plain, save_whole
 from ..errors import PluginError, exit_in_one_line
 
 
@@ -142,10 +142,7 @@ def main(argv=None):
                     f"--num-update-checkpoints N to average its last N checkpoints")
         else:
             paths = args.inputs
-        if any(same_file(args.output, path) for path in paths):
-            raise PluginError(f"--output {args.output} is one of the checkpoints to average; "
-                              f"give another path (averaging keeps its inputs)")
-        check_output_file(args.output, args.force, example="checkpoint_avg.pt")
+        check_output_file(args.output, args.force, example="checkpoint_avg.pt", inputs=paths)
         save_whole(average(paths), args.output)  # never a half-written checkpoint
     except PluginError as e:
         exit_in_one_line("annotated-average-checkpoints", e)

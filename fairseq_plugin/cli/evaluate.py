@@ -83,7 +83,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         if args.output:  # before the whole test set is decoded; a text file, overwritten
-            check_output_file(args.output, force=True, example="hypotheses.txt")
+            check_output_file(args.output, force=True, example="hypotheses.txt",
+                              inputs=[args.checkpoint])
         hyps, settings = generate_detokenised(args.data_bin, args.checkpoint, args.beam,
                                               subset=args.subset,
                                               extra=["--lenpen", str(args.lenpen)],
