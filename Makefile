@@ -28,7 +28,12 @@ PYTHON310 ?= $(shell for p in $(HOME)/.pyenv/versions/3.10*/bin/python3.10 pytho
 VENV310 ?= .venv310
 TORCH310 ?= torch==2.1.2 torchaudio==2.1.2 numpy<2
 LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= PIP="pip<24.1"
-TESTS310 ?= tests
+# the suite, in two pytest runs of about equal time: the model and fairseq's CLIs (the reverse
+# task's trained model, a session fixture, serves these files only), then every other file
+TESTS_MODEL = tests/test_attention.py tests/test_criterion_and_schedule.py tests/test_dropout.py \
+              tests/test_incremental_decoding.py tests/test_mixed_precision.py tests/test_model.py \
+              tests/test_cli.py tests/test_export.py tests/test_cuda.py
+TESTS_PIPELINE = $(filter-out $(TESTS_MODEL),$(sort $(wildcard tests/test_*.py)))
 
 .PHONY: demo demo-reverse test test-main test-fairseq-0.12.2 test-gpu install install310 clean clean-work FORCE
 
@@ -66,7 +71,8 @@ demo-reverse: install
 test: test-main test-fairseq-0.12.2
 
 test-main: install
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs $(TESTS_MODEL)
+	$(PY) -m pytest -q -rs $(TESTS_PIPELINE)
 	@echo "the GPU lane's tests on the CPU (their code, not the GPU's paths):"
 	ANNOTATED_TEST_DEVICE=cpu $(PY) -m pytest -q -rs -m cuda -k "not two_ranks and not mixed_precision" tests
 
@@ -79,7 +85,8 @@ test-fairseq-0.12.2:
 	  echo "SKIPPED the fairseq 0.12.2 lane: no python3.10 on PATH or in ~/.pyenv (PYTHON310=...)"; \
 	else \
 	  $(MAKE) --no-print-directory install $(LANE310) && \
-	  $(VENV310)/bin/python -m pytest -q -rs $(TESTS310); fi
+	  $(VENV310)/bin/python -m pytest -q -rs $(TESTS_MODEL) && \
+	  $(VENV310)/bin/python -m pytest -q -rs $(TESTS_PIPELINE); fi
 
 # the tests whose behaviour depends on the device, on a CUDA GPU (skipped, with the reason, without)
 test-gpu: install

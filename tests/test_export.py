@@ -12,8 +12,7 @@ from fairseq import models
 from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_plugin.cli import reverse_task
-from conftest import (FAIRSEQ_BREAKS_POST_LN, REPO, assert_one_line_error, build_tiny_model, cli,
-                      make_dictionary)
+from conftest import FAIRSEQ_BREAKS_POST_LN, REPO, build_tiny_model, cli, make_dictionary
 from fairseq_plugin.errors import PluginError
 from fairseq_plugin.export import (
     load_into_transformer,
@@ -235,11 +234,14 @@ def test_export_refuses_to_overwrite_without_force_and_a_directory_as_output(
 
 def test_force_never_writes_over_the_checkpoint_nor_empties_a_folder_of_other_files(
         reverse_run, exported, tmp_path):
-    """--force overwrites an existing --output and an earlier CTranslate2 model; it refuses, in
-    one line and before anything is written, the checkpoint itself as --output and, as the
-    CTranslate2 directory, a folder of other files (CTranslate2's own --force would delete it),
-    a file, a path under a file, a link, or a folder that would hold --output."""
+    """--force overwrites an existing --output and an earlier CTranslate2 model; it refuses,
+    before anything is written, the checkpoint itself as --output and, as the CTranslate2
+    directory, a folder of other files (CTranslate2's own --force would delete it), a file, a
+    path under a file, a link, or a folder that would hold --output. (In this process: the
+    command's one-line form of these errors is test_errors'.)"""
     import shutil
+
+    from fairseq_plugin.export import export
 
     original = tmp_path / "checkpoints" / "checkpoint_best.pt"
     original.parent.mkdir()
@@ -253,27 +255,28 @@ def test_force_never_writes_over_the_checkpoint_nor_empties_a_folder_of_other_fi
     out = tmp_path / "transformer.pt"
     link = tmp_path / "link"
     link.symlink_to(exported["ct2"])
-    itself = f"--output {original} is one of this command's inputs; give another path " \
-             f"(inputs are kept)"
-    assert_one_line_error(export_cli(original, "--output", original), itself)  # not: --force
+    itself = (f"--output {original} is one of this command's inputs; give another path "
+              f"(inputs are kept)")
     refusals = [
-        (["--output", original], itself),
-        (["--output", out, "--ctranslate2", original.parent],
+        (original, None, False, itself),  # without --force too: not "pass --force"
+        (original, None, True, itself),
+        (out, original.parent, True,
          f"--ctranslate2 {original.parent} holds files that are not a CTranslate2 model's (e.g. "
          f"checkpoint_best.pt); --force replaces only an earlier CTranslate2 model: give a new "
          f"directory"),
-        (["--output", out, "--ctranslate2", mine], "(e.g. notes.txt)"),
-        (["--output", out, "--ctranslate2", a_file], f"--ctranslate2 {a_file} is a file; give a "
-                                                     f"directory for the CTranslate2 model"),
-        (["--output", out, "--ctranslate2", out], f"--ctranslate2 {out} would hold --output {out}"),
-        (["--output", mine / "t.pt", "--ctranslate2", mine], "would hold --output"),
-        (["--output", out, "--ctranslate2", link], f"--ctranslate2 {link} is a symbolic link"),
-        (["--output", out, "--ctranslate2", a_file / "ct2"], f"{a_file} is a file, not a "
-                                                              f"directory"),
+        (out, mine, True, "(e.g. notes.txt)"),
+        (out, a_file, True, f"--ctranslate2 {a_file} is a file; give a directory for the "
+                            f"CTranslate2 model"),
+        (out, out, True, f"--ctranslate2 {out} would hold --output {out}"),
+        (mine / "t.pt", mine, True, "would hold --output"),
+        (out, link, True, f"--ctranslate2 {link} is a symbolic link"),
+        (out, a_file / "ct2", True, f"{a_file} is a file, not a directory"),
     ]
-    for args, message in refusals:
-        proc = export_cli(original, *args, "--force")
-        assert_one_line_error(proc, "annotated-export-fairseq: error: ", message)
+    for output, ctranslate2, force, message in refusals:
+        with pytest.raises(PluginError) as refused:
+            export(str(original), str(output), ctranslate2_dir=ctranslate2 and str(ctranslate2),
+                   force=force, log=lambda line: None)
+        assert message in str(refused.value)
     assert original.read_bytes() == before
     assert sorted(os.listdir(original.parent)) == ["checkpoint_best.pt"]
     assert os.listdir(mine) == ["notes.txt"] and a_file.read_text() == "keep me too"
@@ -283,8 +286,8 @@ def test_force_never_writes_over_the_checkpoint_nor_empties_a_folder_of_other_fi
     shutil.copytree(exported["ct2"], earlier)
     (earlier / "model.bin").write_bytes(b"an earlier model")
     out.write_bytes(b"an earlier export")
-    proc = export_cli(original, "--output", out, "--ctranslate2", earlier, "--force")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    export(str(original), str(out), ctranslate2_dir=str(earlier), force=True,
+           log=lambda line: None)
     assert (earlier / "model.bin").read_bytes() == (exported["ct2"] / "model.bin").read_bytes()
     assert torch.load(out, weights_only=True)["cfg"]["model"]["arch"] == "transformer"
     assert sorted(os.listdir(tmp_path)) == ["a_file", "checkpoints", "ct2", "link", "mine",
