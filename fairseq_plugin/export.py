@@ -235,9 +235,13 @@ def logit_difference(ours, theirs, src_dict, tgt_dict) -> Tuple[float, float]:
     return float((a - b).abs().max()), float(a.abs().max())
 
 
+def allowed_difference(largest: float) -> float:
+    """TOLERANCE, relative to the largest |logit| (at least 1)."""
+    return TOLERANCE * max(1.0, largest)
+
+
 def logits_agree(diff: float, largest: float) -> bool:
-    """Within TOLERANCE, relative to the largest |logit| (at least 1)."""
-    return diff <= TOLERANCE * max(1.0, largest)
+    return diff <= allowed_difference(largest)
 
 
 def layer_norm_placement(args: Namespace) -> str:
@@ -334,7 +338,7 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
     if not logits_agree(diff, largest):
         raise PluginError(f"cannot export: the converted model's logits differ by {diff:.2e} "
                           f"from the original's (more than {TOLERANCE:g} x the largest |logit|, "
-                          f"at least 1: {TOLERANCE * max(1.0, largest):.2e})")
+                          f"at least 1: {allowed_difference(largest):.2e})")
     log(f"annotated-export-fairseq: same logits as the original (max |diff| {diff:.1e})")
 
     raw = load_plain(checkpoint)
