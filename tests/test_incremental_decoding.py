@@ -589,6 +589,27 @@ def test_history_reorder_across_sentences_falls_back_to_one_history_per_row():
     assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
 
 
+@pytest.mark.parametrize("group", [1, 4])
+def test_a_reorder_before_the_first_step_leaves_empty_caches_empty(group):
+    """A direct caller may reorder before anything is cached: nothing to move, and the first
+    step is then stored for the rows as given."""
+    B, h, d_k = 8, 2, 4
+    ancestry = Ancestry(B, group, torch.float32, "cpu") if group > 1 else None
+    history, source = SelfAttentionCache(group, ancestry), SourceAttentionCache(group)
+    reorder = BeamReorder(torch.arange(B).flip(0))
+    history.reorder(reorder)
+    source.reorder(reorder)
+    assert history.k is None and history.order is None and source.is_empty()
+    k, v = torch.randn(B, h, 1, d_k), torch.randn(B, h, 1, d_k)
+    if ancestry is not None:
+        ancestry.add_step()
+    history.append(k, v)
+    source.append(source.distinct_rows(k), source.distinct_rows(v), None)
+    assert torch.equal(history.own_keys_values()[0], k)
+    assert torch.equal(history.own_keys_values()[1], v)
+    assert torch.equal(source.own_keys_values()[0], k[::group].repeat_interleave(group, 0))
+
+
 def test_grouped_history_attention_equals_attention_over_each_rows_own_history():
     """What a query computes from the group's keys under the ancestry mask is what it computes
     from its own history alone."""
