@@ -2,6 +2,9 @@
 
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 
@@ -12,6 +15,7 @@ from conftest import PLUGIN_DIR, cli, reverse_data_bin
 from fairseq_plugin.cli import launch_cpu_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
 
 
 @pytest.fixture(scope="module")
@@ -77,20 +81,67 @@ def test_two_ranks_equal_one_rank_with_update_freq_2(data_bin, tmp_path, capfd):
     check_two_ranks_equal_one_rank_with_update_freq_2(data_bin, tmp_path, capfd)
 
 
-def test_a_failing_rank_stops_the_others_and_the_launch_fails(tmp_path, capfd):
-    # rank 0 fails at once; rank 1 would wait a minute (as a rank blocked in an all-reduce)
-    child = ("import sys, time; rank = int(sys.argv[sys.argv.index('--distributed-rank') + 1]); "
-             "time.sleep(60) if rank else sys.exit(3)")
+@pytest.mark.parametrize("rank1_ignores_sigterm", [False, True])
+def test_a_failing_rank_stops_the_others_and_the_launch_fails(rank1_ignores_sigterm, tmp_path,
+                                                              capfd, monkeypatch):
+    # rank 0 fails at once; rank 1 would wait a minute (as a rank blocked in an all-reduce), and
+    # may not even stop when asked to: it is then killed after the grace period
+    monkeypatch.setattr(launch_cpu_ranks, "STOP_GRACE_SECONDS", 1)
+    child = ("import signal, sys, time; "
+             "rank = int(sys.argv[sys.argv.index('--distributed-rank') + 1]); "
+             + ("signal.signal(signal.SIGTERM, signal.SIG_IGN); " if rank1_ignores_sigterm
+                else "")
+             + "time.sleep(60) if rank else sys.exit(3)")
     start = time.monotonic()
     status = launch_cpu_ranks.launch([sys.executable, "-c", child], nprocs=2,
                                      log_dir=str(tmp_path))
     assert status == 3
     assert time.monotonic() - start < 15  # rank 1 was stopped, not waited for
-    assert "a rank exited with status 3; stopping the others" in capfd.readouterr().err
+    assert capfd.readouterr().err.endswith(
+        "error: rank 0 exited with status 3; stopping the others (its output: above)\n")
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_its_log_and_the_shells_status(tmp_path, capfd,
+                                                                             monkeypatch):
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # the launcher sets it for the ranks
+    child = ("import os, signal, sys, time; "
+             "rank = int(sys.argv[sys.argv.index('--distributed-rank') + 1]); "
+             "print('rank', rank, 'about to die'); "
+             "os.kill(os.getpid(), signal.SIGKILL) if rank else time.sleep(60)")
+    status = launch_cpu_ranks.launch([sys.executable, "-c", child], nprocs=2,
+                                     log_dir=str(tmp_path))
+    assert status == 128 + 9  # as a shell reports a process killed by SIGKILL
+    log = tmp_path / "rank1.log"
+    assert capfd.readouterr().err.endswith(
+        f"error: rank 1 was killed by SIGKILL (out of memory?); stopping the others (its "
+        f"output: {log})\n")
+    assert log.read_text() == "rank 1 about to die\n"  # unbuffered: nothing lost with the rank
+
+
+def test_stopping_the_launcher_stops_every_rank(tmp_path):
+    """SIGTERM (a scheduler, `timeout`) to the launcher reaches its ranks: none is left running."""
+    child = ("import os, sys, time; "
+             "rank = sys.argv[sys.argv.index('--distributed-rank') + 1]; "
+             f"open(os.path.join({str(tmp_path)!r}, 'pid' + rank), 'w').write(str(os.getpid())); "
+             "time.sleep(60)")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "fairseq_plugin.cli.launch_cpu_ranks", "--nprocs", "2",
+         "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "-c", child],
+        cwd=REPO, stderr=subprocess.PIPE, text=True)
+    pid_files = [tmp_path / "pid0", tmp_path / "pid1"]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() and f.read_text() for f in pid_files):
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    for f in pid_files:
+        with pytest.raises(ProcessLookupError):  # stopped and reaped
+            os.kill(int(f.read_text()), 0)
 
 
 @pytest.mark.parametrize("environment, threads, expected", [
-    (None, None, str(max(1, (os.cpu_count() or 1) // 2))),  # the cores shared by the 2 ranks
+    (None, None, str(max(1, len(os.sched_getaffinity(0)) // 2))),  # the cores, shared by 2 ranks
     ("5", None, "5"),                                       # the user's OMP_NUM_THREADS
     ("5", 3, "3")])                                         # an explicit --threads wins
 def test_each_rank_gets_the_threads_asked_for(environment, threads, expected, tmp_path,
@@ -123,3 +174,41 @@ def test_the_launcher_has_help_and_names_a_missing_command_in_one_line(capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         "error: fairseq-trian: no such command; check its spelling (e.g. fairseq-train) and that "
         "its environment is active")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nprocs", "2", "fairseq-train", "DATA"],
+     "fairseq-train DATA: not the launcher's options; put the command after --, e.g. "
+     "annotated-launch-cpu-ranks --nprocs 2 -- fairseq-train DATA --arch ..."),
+    (["--", sys.executable, "train.py", "--distributed-world-size", "4"],
+     "--distributed-world-size: the launcher sets it for every rank; leave it out of the command "
+     "(use the launcher's --nprocs)"),
+    (["--", sys.executable, "train.py", "--ddp-backend=c10d"],
+     "--ddp-backend: the launcher sets it for every rank; leave it out of the command (the "
+     "launcher's ranks use legacy_ddp (c10d refuses CPU models))"),
+    (["--port", "99999", "--", sys.executable],
+     "argument --port: 99999 is not a TCP port; give one in 1-65535"),
+    (["--port", "{busy}", "--", sys.executable],
+     "--port {busy}: Address already in use; give another port, or leave --port out for a free "
+     "one"),
+    (["--log-dir", "{file}", "--", sys.executable],
+     "--log-dir {file}: cannot make a folder there (File exists); give another path"),
+    (["--log-dir", "{tmp}", "--", "{script}"],
+     "cannot start {script}: Exec format error; run a script as: python script.py ..."),
+])
+def test_the_launchers_bad_input_gets_one_line_before_any_rank_starts(argv, message, tmp_path,
+                                                                      capsys):
+    (tmp_path / "a_file").write_text("")
+    script = tmp_path / "train.py"  # executable, but no #! line
+    script.write_text("print('trained')\n")
+    script.chmod(0o755)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        values = dict(busy=busy.getsockname()[1], file=tmp_path / "a_file", tmp=tmp_path,
+                      script=script)
+        with pytest.raises(SystemExit) as error_exit:
+            launch_cpu_ranks.main([arg.format(**values) for arg in argv])
+    assert error_exit.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "annotated-launch-cpu-ranks: error: " + message.format(**values)

@@ -10,16 +10,33 @@ torchrun divides by it). By hand this works, and is what this script does, once 
 Usage:
   annotated-launch-cpu-ranks --nprocs 2 -- fairseq-train DATA --user-dir fairseq_plugin --arch ...
 Rank 0's output is shown; rank R's goes to --log-dir/rank{R}.log. If a rank fails, the others
-are stopped and the exit status is the failed rank's.
+are stopped and the exit status is the failed rank's; if the launcher is stopped (Ctrl-C,
+SIGTERM, SIGHUP), so are the ranks.
 """
 
 import argparse
+import errno
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+
+PROG = "annotated-launch-cpu-ranks"
+STOP_GRACE_SECONDS = 10  # how long a rank asked to stop may take before it is killed
+
+# what the launcher sets on each rank's command, and what to use instead of setting it yourself
+# (fairseq keeps the last value of a repeated flag: the launcher's would silently win)
+LAUNCHER_FLAGS = {
+    "--distributed-world-size": "use the launcher's --nprocs",
+    "--distributed-rank": "the launcher numbers the ranks",
+    "--distributed-init-method": "use the launcher's --port",
+    "--distributed-backend": "the launcher's ranks use gloo",
+    "--ddp-backend": "the launcher's ranks use legacy_ddp (c10d refuses CPU models)",
+    "--device-id": "every CPU rank is device 0",
+}
 
 
 def free_port() -> int:
@@ -36,66 +53,121 @@ def rank_command(command, rank, world_size, port, cpu=True, ddp_backend="legacy_
             *(["--cpu"] if cpu else [])]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (a cpuset or taskset limits them), else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def launch(command, nprocs, log_dir, port=None, threads=None, cpu=True, ddp_backend="legacy_ddp"):
-    """Run the ranks; return the exit status (0 when every rank succeeded).
+    """Run the ranks; return the exit status: 0 when every rank succeeded, else the first failed
+    rank's (128 + N for a rank killed by signal N, as a shell reports it). However this returns
+    (a failure, an exception, SIGTERM turned into SystemExit by ``main``), no rank is left running.
 
     cpu=False leaves out --cpu: every rank then trains on GPU 0, where fairseq's c10d wrapper
     (torch's DDP, which refuses CPU models with device ids) works too. The GPU tests use it to
     run two ranks on one GPU (gloo; NCCL wants a GPU per rank)."""
     port = port or free_port()
     os.makedirs(log_dir, exist_ok=True)
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # a rank's last lines reach its log
     # share the cores between the ranks instead of oversubscribing them (an explicit --threads
     # wins over OMP_NUM_THREADS in the environment, which wins over the default)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // nprocs)))
     procs, logs = [], []
-    for rank in range(nprocs):
-        out = None
-        if rank > 0:
-            logs.append(open(os.path.join(log_dir, f"rank{rank}.log"), "w"))
-            out = logs[-1]
-        cmd = rank_command(command, rank, nprocs, port, cpu, ddp_backend)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out,
-                                      stderr=subprocess.STDOUT if out else None))
-    status = 0
     try:
-        while procs:
-            for p in list(procs):
-                code = p.poll()
-                if code is None:
-                    continue
-                procs.remove(p)
-                if code != 0 and status == 0:
-                    status = code
-                    sys.stderr.write(f"annotated-launch-cpu-ranks: error: a rank exited with status {code}; "
-                                     f"stopping the others (logs in {log_dir})\n")
-                    for other in procs:
-                        other.terminate()
-            time.sleep(0.2)
+        for rank in range(nprocs):
+            out = None
+            if rank > 0:
+                logs.append(open(os.path.join(log_dir, f"rank{rank}.log"), "w"))
+                out = logs[-1]
+            cmd = rank_command(command, rank, nprocs, port, cpu, ddp_backend)
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out,
+                                          stderr=subprocess.STDOUT if out else None))
+        return wait_for_ranks(procs, log_dir)
     finally:
-        for p in procs:
-            p.kill()
+        stop(procs)
         for f in logs:
             f.close()
-    return status
+
+
+def wait_for_ranks(procs, log_dir) -> int:
+    """0 once every rank has succeeded; at the first failure, its status (the others are then
+    stopped by the caller)."""
+    running = dict(enumerate(procs))
+    while running:
+        for rank, proc in list(running.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del running[rank]
+            if code != 0:
+                output = ("above" if rank == 0
+                          else os.path.join(log_dir, f"rank{rank}.log"))
+                sys.stderr.write(f"{PROG}: error: {rank_failure(rank, code)}; stopping the "
+                                 f"others (its output: {output})\n")
+                return 128 - code if code < 0 else code
+        time.sleep(0.2)
+    return 0
+
+
+def rank_failure(rank: int, code: int) -> str:
+    """How rank ``rank`` ended, from its Popen return code (-N: killed by signal N)."""
+    if code >= 0:
+        return f"rank {rank} exited with status {code}"
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    return (f"rank {rank} was killed by {name}"
+            + (" (out of memory?)" if -code == signal.SIGKILL else ""))
+
+
+def stop(procs) -> None:
+    """Ask every rank still running to stop (SIGTERM), kill those still running after
+    STOP_GRACE_SECONDS, and reap them all."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def port_number(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port; give one in 1-65535")
+    return port
+
+
+def exit_on_signal(signum, frame):
+    """SIGTERM / SIGHUP (a scheduler, `timeout`, a closed terminal) end the launcher through
+    SystemExit, so that ``launch`` stops its ranks on the way out."""
+    raise SystemExit(128 + signum)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    example = f"e.g. {PROG} --nprocs 2 -- fairseq-train DATA --arch ..."
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 usage="%(prog)s [options] -- fairseq-train DATA ...")
     p.add_argument("--nprocs", type=int, default=2, help="number of ranks")
-    p.add_argument("--port", type=int, help="TCP port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--port", type=port_number,
+                   help="TCP port on 127.0.0.1 (default: a free one)")
     p.add_argument("--threads", type=int, help="torch threads per rank (default: cores / N)")
     p.add_argument("--log-dir", default="distributed-logs", help="where rank R>0 logs go")
     split = argv.index("--") if "--" in argv else len(argv)
-    args = p.parse_args(argv[:split])  # -h / --help stops here
+    args, unknown = p.parse_known_args(argv[:split])  # -h / --help stops here
+    if unknown:
+        p.error(f"{' '.join(unknown)}: not the launcher's options; put the command after --, "
+                f"{example}")
     command = argv[split + 1:]
     if not command:
-        p.error("give the command after --, e.g. annotated-launch-cpu-ranks --nprocs 2 -- "
-                "fairseq-train DATA --arch ...")
+        p.error(f"give the command after --, {example}")
     if args.nprocs < 1:
         p.error("--nprocs must be at least 1")
     if args.threads is not None and args.threads < 1:
@@ -103,7 +175,34 @@ def main(argv=None):
     if shutil.which(command[0]) is None:
         p.error(f"{command[0]}: no such command; check its spelling (e.g. fairseq-train) and "
                 f"that its environment is active")
-    sys.exit(launch(command, args.nprocs, args.log_dir, args.port, args.threads))
+    for arg in command[1:]:
+        flag = arg.split("=", 1)[0]
+        if flag in LAUNCHER_FLAGS:
+            p.error(f"{flag}: the launcher sets it for every rank; leave it out of the command "
+                    f"({LAUNCHER_FLAGS[flag]})")
+    if args.port is not None:
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", args.port))
+        except OSError as e:
+            p.error(f"--port {args.port}: {e.strerror}; give another port, or leave --port out "
+                    f"for a free one")
+    try:
+        os.makedirs(args.log_dir, exist_ok=True)
+    except OSError as e:
+        p.error(f"--log-dir {args.log_dir}: cannot make a folder there ({e.strerror}); give "
+                f"another path")
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, exit_on_signal)
+    try:
+        status = launch(command, args.nprocs, args.log_dir, args.port, args.threads)
+    except KeyboardInterrupt:  # Ctrl-C reaches the ranks too; launch has reaped them
+        status = 128 + signal.SIGINT
+    except OSError as e:
+        hint = ("run a script as: python script.py ..." if e.errno == errno.ENOEXEC
+                else "check the path and its permissions")
+        p.error(f"cannot start {e.filename or command[0]}: {e.strerror}; {hint}")
+    sys.exit(status)
 
 
 if __name__ == "__main__":
