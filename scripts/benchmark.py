@@ -43,9 +43,11 @@ Absolute numbers move +-10% between runs on shared machines: read the ratios.
 """
 
 import argparse
+import itertools
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -123,6 +125,29 @@ def batch_padding(data_bin, max_tokens, split="train"):
     return shares[0], shares[1], len(load("test", src, d_src))
 
 
+def first_test_sentences(data_bin, n, work):
+    """A data-bin under ``work`` whose test set is the first n sentence pairs of ``data_bin``'s
+    (its dictionaries copied), for decoding n sentences (fairseq-generate has no option for a part
+    of a split: its --num-shards follows --distributed-world-size, not the flag)."""
+    from fairseq.data import Dictionary, data_utils, indexed_dataset
+
+    src, tgt = data_utils.infer_language_pair(data_bin)
+    dest = os.path.join(work, f"test-first-{n}")
+    os.makedirs(dest, exist_ok=True)
+    for lang in (src, tgt):
+        shutil.copy(os.path.join(data_bin, f"dict.{lang}.txt"), dest)
+        dictionary = Dictionary.load(os.path.join(data_bin, f"dict.{lang}.txt"))
+        prefix = f"test.{src}-{tgt}.{lang}"
+        sentences = data_utils.load_indexed_dataset(os.path.join(data_bin, prefix), dictionary)
+        out = os.path.join(dest, prefix)
+        builder = indexed_dataset.make_builder(indexed_dataset.data_file_path(out), impl="mmap",
+                                               vocab_size=len(dictionary))
+        for i in range(n):
+            builder.add_item(sentences[i])
+        builder.finalize(indexed_dataset.index_file_path(out))
+    return dest
+
+
 def model_flags(preset):
     layers, d, ff, heads = PRESETS[preset]
     return ["--encoder-layers", layers, "--decoder-layers", layers, "--encoder-embed-dim", d,
@@ -131,9 +156,13 @@ def model_flags(preset):
             "--share-all-embeddings", "--dropout", "0.1"]
 
 
-# fairseq's CLI run in a Python that prints the CUDA allocator's peak when the CLI exits
-CUDA_PEAK = ("import atexit, runpy, sys, torch; sys.argv = sys.argv[1:]; atexit.register(lambda: "
-             "print('cuda peak MB', torch.cuda.max_memory_allocated() / 2 ** 20, flush=True)); "
+# fairseq's CLI run in a Python that first sets up cuBLAS (a matrix product: otherwise the first
+# one inside the CLI's timed work pays for it) and prints the CUDA allocator's peak when it exits
+CUDA_PEAK = ("import atexit, runpy, sys, torch; sys.argv = sys.argv[1:]; "
+             "x = torch.ones(64, 64, device='cuda', dtype=torch.half); x @ x; "
+             "torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); "
+             "atexit.register(lambda: print('cuda peak MB', "
+             "torch.cuda.max_memory_allocated() / 2 ** 20, flush=True)); "
              "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
@@ -167,6 +196,7 @@ def alternated(contestants, i):
 
 def run_measured(cmd, device=CPU):
     """Run a command; return (stdout + stderr, peak memory in MB)."""
+    name = os.path.basename(str(cmd[0]))
     cmd = device.command([str(c) for c in cmd])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = proc.stdout.read()
@@ -174,7 +204,7 @@ def run_measured(cmd, device=CPU):
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         sys.stderr.write(out[-3000:])
-        raise SystemExit(f"benchmark: error: {os.path.basename(str(cmd[0]))} failed")
+        raise SystemExit(f"benchmark: error: {name} failed (its output's end is above)")
     return out, device.peak_mb(out, usage.ru_maxrss / 1024.0)
 
 
@@ -231,7 +261,11 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
         model = trainers[NO_PACKING].model
         model.encoder.skip_padding = model.decoder.skip_padding = False
     batches = trainers[OURS].get_train_iterator(epoch=1).next_epoch_itr(shuffle=True)
-    samples = [next(batches) for _ in range(3 + steps)]
+    samples = list(itertools.islice(batches, 3 + steps))
+    if len(samples) < 3 + steps:
+        raise SystemExit(f"benchmark: error: --steps-in-process {steps}: the training set has "
+                         f"{len(samples)} batches of --max-tokens {max_tokens} (3 of them for "
+                         f"warm-up); ask for at most {len(samples) - 3} steps")
     for sample in samples[:3]:  # warm-up
         for trainer in trainers.values():
             trainer.train_step([sample])
@@ -371,15 +405,20 @@ def self_gpu_time(event) -> float:
     return event.self_cuda_time_total
 
 
-def generate_run(data_bin, checkpoint, length, max_tokens, user_dir, shards=1, device=CPU):
-    """fairseq-generate --beam 5 on the test set (its first of ``shards`` shards)."""
+def generate_run(data_bin, checkpoint, length, max_tokens, user_dir, sentences, device=CPU):
+    """fairseq-generate --beam 5 on the test set of ``data_bin``, which has ``sentences``
+    sentences (checked against what fairseq-generate reports): (tokens/s, peak MB)."""
     out, rss = run_measured([
         fairseq_cli("fairseq-generate"), data_bin, "--user-dir", user_dir,
         "--path", checkpoint, "--beam", "5", "--min-len", length, "--max-len-a", "0",
         "--max-len-b", length, "--max-tokens", max_tokens, "--required-batch-size-multiple", "1",
-        "--num-shards", shards, "--shard-id", "0", *device.flags()], device)
+        *device.flags()], device)
     for line in out.splitlines():
         if "Translated" in line and "tokens/s" in line:
+            translated = int(line.split("Translated ")[1].split(" sentences")[0].replace(",", ""))
+            if translated != sentences:
+                raise SystemExit(f"benchmark: error: fairseq-generate translated {translated} "
+                                 f"sentences, not the {sentences} of {data_bin}'s test set")
             return float(line.split("sentences/s, ")[1].split(" tokens/s")[0]), rss
     raise SystemExit("benchmark: error: fairseq-generate printed no speed")
 
@@ -452,6 +491,11 @@ def cache_speedups(checkpoint, data_bin, lengths, n_sentences=20, repeats=5, dev
     rows = []
     decoders = [("cached", model, None), ("written out", model, EXPLICIT),
                 ("recomputed", recomputing, None)]
+    for name, m, kernel in decoders:  # warm-up: first-call costs (allocations, library set-up)
+        for module in attention:
+            module.kernel = kernel
+        with torch.no_grad():
+            forced_length_generator(m, task, 5, 4).generate([m], sample)
     for beam in (1, 5):
         for length in lengths:
             runs = {name: [] for name, _, _ in decoders}
@@ -522,23 +566,47 @@ def ratio_row(label, name, ours, theirs):
             f" | {statistics.median(ratios):.2f}x | {' '.join(f'{x:.2f}' for x in ratios)} |")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least 1")
+    return value
+
+
+def lengths_list(text: str):
+    """An argparse type: comma-separated target lengths, e.g. 25,50,100."""
+    try:
+        return [positive_int(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give target lengths of at least 1, separated by commas, e.g. 25,50,100")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=positive_int, default=4,
+                   help="rounds, the order reversed in every other one (an even number gives "
+                        "each model the first place equally often)")
     p.add_argument("--data", choices=["tatoeba", "synthetic"], default="tatoeba",
                    help="real parallel text (the bundled Tatoeba sample) or generated data")
     p.add_argument("--data-bin", help="a prepared data-bin instead")
-    p.add_argument("--train-sentences", type=int, default=20000)
-    p.add_argument("--test-sentences", type=int, default=200,
-                   help="generated test sentences, or about how many of a test set to decode")
-    p.add_argument("--vocab", type=int, default=6000)
-    p.add_argument("--train-updates", type=int, default=25)
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--gen-length", type=int, default=30, help="target tokens per hypothesis")
-    p.add_argument("--cache-lengths", default="25,50,100,200")
+    p.add_argument("--train-sentences", type=positive_int, default=20000)
+    p.add_argument("--test-sentences", type=positive_int, default=200,
+                   help="generated test sentences, or how many of a test set to decode (its "
+                        "first N)")
+    p.add_argument("--vocab", type=positive_int, default=6000)
+    p.add_argument("--train-updates", type=positive_int, default=25)
+    p.add_argument("--max-tokens", type=positive_int, default=4096)
+    p.add_argument("--gen-length", type=positive_int, default=30,
+                   help="target tokens per hypothesis")
+    p.add_argument("--cache-lengths", type=lengths_list, default="25,50,100,200")
     p.add_argument("--work-dir", help="keep data and checkpoints here (default: a temp dir)")
     p.add_argument("--skip-cache", action="store_true", help="skip the cache measurements")
     p.add_argument("--skip-ctranslate2", action="store_true",
@@ -552,10 +620,10 @@ def main(argv=None):
                    help="also run the annotated_transformer of another checkout, e.g. "
                         "../old/fairseq_plugin (git worktree add ../old COMMIT), in the same "
                         "rounds: before/after figures from one run")
-    p.add_argument("--steps-in-process", type=int, metavar="N",
+    p.add_argument("--steps-in-process", type=positive_int, metavar="N",
                    help="training only, precise: both models in this process on the same N "
                         "batches, alternated step by step; prints the step times and ratios")
-    p.add_argument("--profile-steps", type=int, default=0, metavar="K",
+    p.add_argument("--profile-steps", type=positive_int, metavar="K",
                    help="with --steps-in-process: also torch.profiler's operators for K steps "
                         "of each, alternated, and the time and FLOPs of their matrix products")
     p.add_argument("--without-packing", action="store_true",
@@ -567,7 +635,7 @@ def main(argv=None):
                         "torch.profiler's operators of each")
     p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if (args.profile_steps or args.without_packing) and not args.steps_in_process:
+    if (args.profile_steps or args.without_packing) and args.steps_in_process is None:
         p.error("--profile-steps and --without-packing go with --steps-in-process N")
     if args.ctranslate2_worker:
         return ctranslate2_worker(*json.loads(args.ctranslate2_worker))
@@ -581,14 +649,33 @@ def main(argv=None):
     device = Device(args.device, args.precision or ("fp32" if args.device == "cpu" else "fp16"))
     if device.kind == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
-    if device.kind == "cuda" and not args.skip_ctranslate2 and not args.steps_in_process:
+    if device.kind == "cuda" and not args.skip_ctranslate2 and args.steps_in_process is None:
         p.error("the CTranslate2 comparison runs on the CPU only: add --skip-ctranslate2")
     if args.work_dir and os.path.isdir(args.work_dir) and os.listdir(args.work_dir):
         p.error(f"--work-dir {args.work_dir} is not empty (fairseq-train would resume its "
                 "checkpoints); give a new or empty directory, and --data-bin DIR to reuse "
                 "prepared data")
+    if args.work_dir and os.path.exists(args.work_dir) and not os.path.isdir(args.work_dir):
+        p.error(f"--work-dir {args.work_dir} is a file; give a new or empty directory")
+    for option, folder, made_by in (
+            ("--data-bin", args.data_bin, "fairseq-preprocess or annotated-prepare"),
+            ("--before", args.before, "a checkout's fairseq_plugin folder")):
+        if folder and not os.path.isdir(folder):
+            p.error(f"{option} {folder}: no such folder; give one made by {made_by}")
+    if args.data_bin and not any(f.startswith("test.") for f in os.listdir(args.data_bin)):
+        p.error(f"--data-bin {args.data_bin} has no test split (test.*) to decode; binarise one "
+                f"with --testpref")
     work = args.work_dir or tempfile.mkdtemp(prefix="benchmark-")
     os.makedirs(work, exist_ok=True)
+    try:
+        run(args, device, work)
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args, device, work):
+    """The measurements main asked for, their data and checkpoints under ``work``."""
     if args.data_bin:
         data_bin = args.data_bin
     elif args.data == "tatoeba":
@@ -596,12 +683,14 @@ def main(argv=None):
     else:
         data_bin = make_data(work, args.train_sentences, args.test_sentences, args.vocab)
     src_pad, tgt_pad, n_test = batch_padding(data_bin, args.max_tokens)
-    shards = max(1, n_test // args.test_sentences)  # decode about --test-sentences sentences
+    n_decoded = min(n_test, args.test_sentences)
+    gen_bin = (data_bin if n_decoded == n_test
+               else first_test_sentences(data_bin, n_decoded, work))
     print(f"benchmark: preset {args.preset} {PRESETS[args.preset]} (layers, d_model, d_ff, "
           f"heads), {args.rounds} rounds, {device.kind} {device.precision}, data {data_bin}, "
           f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}\n"
           f"training batches: {src_pad:.1%} source and {tgt_pad:.1%} target positions are "
-          f"padding; decoding {n_test // shards} of {n_test} test sentences", flush=True)
+          f"padding; decoding the first {n_decoded} of {n_test} test sentences", flush=True)
     if args.steps_in_process:
         seconds = steps_in_process(data_bin, args.preset, args.max_tokens, args.steps_in_process,
                                    args.profile_steps, device, args.without_packing)
@@ -626,8 +715,9 @@ def main(argv=None):
             save = os.path.join(work, f"{name.replace('@', '-')}-round{r}")
             wps, mb = train_run(data_bin, arch, args.preset, save, args.train_updates,
                                 args.max_tokens, user_dir, device)
-            tps, gen_mb = generate_run(data_bin, os.path.join(save, "checkpoint_last.pt"),
-                                       args.gen_length, args.max_tokens, user_dir, shards, device)
+            tps, gen_mb = generate_run(gen_bin, os.path.join(save, "checkpoint_last.pt"),
+                                       args.gen_length, args.max_tokens, user_dir, n_decoded,
+                                       device)
             res = results[name]
             res["train_wps"].append(wps)
             res["train_mb"].append(mb)
@@ -637,7 +727,7 @@ def main(argv=None):
                   f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB", flush=True)
             if name == OURS and not args.skip_ctranslate2:
                 ct2, per_hyp, mb = ctranslate2_run(
-                    data_bin, os.path.join(save, "checkpoint_last.pt"), args.gen_length,
+                    gen_bin, os.path.join(save, "checkpoint_last.pt"), args.gen_length,
                     args.max_tokens, save)
                 ct2_tps.append(ct2)
                 ct2_mb.append(mb)
@@ -663,7 +753,7 @@ def main(argv=None):
                         "CTranslate2", ct2_tps, theirs["gen_tps"]))
 
     if not args.skip_cache:
-        lengths = [int(x) for x in args.cache_lengths.split(",")]
+        lengths = args.cache_lengths
         checkpoint = os.path.join(work, "annotated_transformer-round0", "checkpoint_last.pt")
         rows = cache_speedups(checkpoint, data_bin, lengths, device=device)
         print("\n| annotated_transformer decoding 20 sentences | target tokens | cached, s | "

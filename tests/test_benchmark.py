@@ -1,15 +1,24 @@
 """scripts/benchmark.py runs end to end on a tiny job, and its ratios are its own figures'."""
 
+import importlib.util
 import os
 import re
+import statistics
 import subprocess
 import sys
 
 import pytest
 
-from conftest import FAIRSEQ_BREAKS_POST_LN, REPO
+from conftest import FAIRSEQ_BREAKS_POST_LN, REPO, reverse_data_bin
 
 BENCHMARK = os.path.join(REPO, "scripts", "benchmark.py")
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 TINY = ["--data", "synthetic", "--train-sentences", "400", "--test-sentences", "16",
         "--preset", "tiny", "--max-tokens", "1024"]
 
@@ -25,21 +34,28 @@ def benchmark(*args, work):
                     "cannot decode padded batches (fairseq #4858): the benchmark's generation "
                     "needs fairseq-fixed")
 def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cache_table(tmp_path):
-    out = benchmark("--rounds", "1", "--train-updates", "10", "--gen-length", "8",
-                    "--cache-lengths", "4", "--skip-ctranslate2", "--decoding-in-process",
-                    work=tmp_path)
+    # a test set of 40, of which the first 16 are decoded (the benchmark checks fairseq-generate's
+    # count of translated sentences)
+    data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 50, "--test", 40)
+    out = benchmark("--data-bin", str(data_bin), "--rounds", "1", "--train-updates", "10",
+                    "--gen-length", "8", "--cache-lengths", "4", "--skip-ctranslate2",
+                    "--decoding-in-process", work=tmp_path / "work")
     assert re.search(r"training batches: [\d.]+% source and [\d.]+% target positions are padding",
                      out)
+    assert "decoding the first 16 of 40 test sentences" in out
     rows = {}
     for line in out.splitlines():  # | label | model | ours | theirs | ratio | per-round ratios |
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) == 6 and cells[1] == "annotated_transformer":
-            rows[cells[0]] = (float(cells[2]), float(cells[3]), float(cells[4].rstrip("x")))
+            rows[cells[0]] = (float(cells[2]), float(cells[3]), float(cells[4].rstrip("x")),
+                              [float(r) for r in cells[5].split()])
     assert sorted(rows) == sorted(["training, target words/s", "generation beam 5, tokens/s",
                                    "training peak memory, MB", "generation peak memory, MB"])
-    for ours, theirs, ratio in rows.values():
-        assert ours > 0 and theirs > 0
+    for ours, theirs, ratio, per_round in rows.values():
+        assert ours > 0 and theirs > 0 and len(per_round) == 1
+        # one round: the median of the ratios is that round's ratio of the figures beside it
         assert abs(ratio - ours / theirs) <= 0.005 + 0.5 / theirs * ratio  # medians are rounded
+        assert abs(ratio - statistics.median(per_round)) <= 0.0051
     cache = [line for line in out.splitlines() if re.match(r"\| (greedy|beam 5) \| 4 \|", line)]
     assert len(cache) == 2 and all(line.rstrip().endswith("x |") for line in cache)
     # cached, cached with the other attention kernel, recomputed: seconds
@@ -116,3 +132,56 @@ def test_a_work_dir_with_files_is_one_error_line_not_a_resumed_run(tmp_path):
         f"benchmark.py: error: --work-dir {tmp_path} is not empty (fairseq-train would resume "
         "its checkpoints); give a new or empty directory, and --data-bin DIR to reuse prepared "
         "data")
+
+
+def test_a_ratio_row_gives_the_median_of_the_per_round_ratios_not_the_ratio_of_medians():
+    row = load_benchmark().ratio_row("train", "ours", [100, 300], [200, 100])
+    # medians 200 and 150 (ratio 1.33); per-round ratios 0.5 and 3.0, their median 1.75
+    assert row == "| train | ours | 200 | 150 | 1.75x | 0.50 3.00 |"
+
+
+def test_rounds_alternate_the_order_so_that_even_rounds_balance_it():
+    alternated = load_benchmark().alternated
+    orders = [alternated(["A", "B", "C"], i) for i in range(4)]
+    assert orders == [["A", "B", "C"], ["C", "B", "A"], ["A", "B", "C"], ["C", "B", "A"]]
+    for model in "ABC":  # over an even number of rounds every place is each model's equally often
+        places = sorted(order.index(model) for order in orders)
+        assert places == sorted(2 - p for p in places)
+
+
+def test_decoding_part_of_a_test_set_takes_its_first_sentences(tmp_path):
+    from fairseq.data import Dictionary, data_utils
+
+    data_bin = reverse_data_bin(tmp_path, "--train", 50, "--valid", 10, "--test", 30)
+    subset = load_benchmark().first_test_sentences(str(data_bin), 7, str(tmp_path / "work"))
+    for lang in ("src", "tgt"):
+        d = Dictionary.load(os.path.join(data_bin, f"dict.{lang}.txt"))
+        full, first = (data_utils.load_indexed_dataset(os.path.join(folder, f"test.src-tgt.{lang}"),
+                                                       d) for folder in (str(data_bin), subset))
+        assert len(full) == 30 and len(first) == 7
+        assert all(first[i].tolist() == full[i].tolist() for i in range(7))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rounds", "0"], "argument --rounds: '0': give a whole number of at least 1"),
+    (["--test-sentences", "x"], "argument --test-sentences: 'x': give a whole number of at least 1"),
+    (["--cache-lengths", "25,abc"], "argument --cache-lengths: '25,abc': give target lengths of "
+                                    "at least 1, separated by commas, e.g. 25,50,100"),
+    (["--steps-in-process", "0"], "argument --steps-in-process: '0': give a whole number of at "
+                                  "least 1"),
+    (["--data-bin", "{tmp}/missing"], "--data-bin {tmp}/missing: no such folder; give one made by "
+                                      "fairseq-preprocess or annotated-prepare"),
+    (["--data-bin", "{tmp}"], "--data-bin {tmp} has no test split (test.*) to decode; binarise "
+                              "one with --testpref"),
+    (["--before", "{tmp}/missing"], "--before {tmp}/missing: no such folder; give one made by a "
+                                    "checkout's fairseq_plugin folder"),
+    (["--work-dir", "{tmp}/a_file"], "--work-dir {tmp}/a_file is a file; give a new or empty "
+                                     "directory"),
+])
+def test_bad_benchmark_options_are_one_error_line_before_any_work(args, message, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    proc = subprocess.run([sys.executable, BENCHMARK, *[a.format(tmp=tmp_path) for a in args]],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == "benchmark.py: error: " + message.format(tmp=tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
