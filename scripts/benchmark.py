@@ -221,8 +221,9 @@ def train_run(data_bin, arch, preset, save_dir, updates, max_tokens, user_dir, d
     out, rss = run_measured([
         fairseq_cli("fairseq-train"),
         *training_flags(data_bin, arch, preset, max_tokens, user_dir, device),
+        # one checkpoint, at the end, without the optimizer's state (decoding needs no more)
         "--max-update", updates, "--save-dir", save_dir, "--no-epoch-checkpoints",
-        "--disable-validation", "--log-format", "json", "--log-interval", "5"], device)
+        "--save-interval", "1000000", "--no-save-optimizer-state", "--disable-validation", "--log-format", "json", "--log-interval", "5"], device)
     wps = [float(json.loads(line[line.index("{"):])["wps"])
            for line in out.splitlines() if "train_inner" in line and "{" in line]
     if len(wps) < 2:

@@ -114,9 +114,12 @@ def test_fully_padded_row_gives_zeros_not_nan(need_weights):
         assert weights[1].abs().max() == 0
 
 
-def test_fully_padded_row_zeroed_also_on_torch_without_it(monkeypatch):
-    """torch < 2.5's fused kernel returns NaN for a query that may see no key; the zeroing used
-    there gives the same result as the written-out formula."""
+@pytest.mark.parametrize("kernel_returns", ["nan", "mean of the values"])
+def test_fully_padded_row_zeroed_also_where_the_fused_kernel_does_not(monkeypatch,
+                                                                      kernel_returns):
+    """torch < 2.5's fused kernel returns NaN for a query that may see no key, and a GPU backend
+    may return the mean of the values (a finite fill for masked keys); the zeroing used where
+    zeros are not certain gives the same result as the written-out formula."""
     import torch.nn.functional as F
 
     from fairseq_plugin.modules import attention as attention_module
@@ -125,10 +128,13 @@ def test_fully_padded_row_zeroed_also_on_torch_without_it(monkeypatch):
 
     calls = []
 
-    def old_sdpa(q, k, v, attn_mask=None, **kwargs):  # NaN where a row sees nothing
+    def other_sdpa(q, k, v, attn_mask=None, **kwargs):  # NaN or mean(V) where a row sees nothing
         calls.append(attn_mask)
         out = sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
-        return out.masked_fill(~attn_mask.any(-1, keepdim=True), float("nan"))
+        empty = ~attn_mask.any(-1, keepdim=True)
+        if kernel_returns == "nan":
+            return out.masked_fill(empty, float("nan"))
+        return torch.where(empty, v.mean(-2, keepdim=True), out)
 
     attn = MultiHeadedAttention(4, 32, self_attention=False).eval()
     x, memory = torch.randn(2, 3, 32), torch.randn(2, 4, 32)
@@ -136,12 +142,20 @@ def test_fully_padded_row_zeroed_also_on_torch_without_it(monkeypatch):
     attn.kernel = EXPLICIT
     expected, _ = attn(x, memory, mask=pad_mask(pad))
     attn.kernel = FUSED
-    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", old_sdpa)
-    monkeypatch.setattr(attention_module, "_SDPA_ZEROES_EMPTY_ROWS", False)
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", other_sdpa)
+    monkeypatch.setattr(attention_module, "fused_kernel_zeroes_empty_rows", lambda q: False)
     out, _ = attn(x, memory, mask=pad_mask(pad))
     assert len(calls) == 1  # the fused kernel ran
     assert not torch.isnan(out).any()
     assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_the_fused_kernel_is_trusted_with_fully_padded_rows_only_on_the_cpu_of_torch_2_5_on():
+    from fairseq_plugin.modules.attention import fused_kernel_zeroes_empty_rows
+    from fairseq_plugin.torch_release import TORCH_RELEASE
+
+    assert fused_kernel_zeroes_empty_rows(torch.zeros(1)) == (TORCH_RELEASE >= (2, 5))
+    assert not fused_kernel_zeroes_empty_rows(torch.zeros(1, device="meta"))  # any other device
 
 
 @pytest.mark.parametrize("dtype", CPU_HALF_DTYPES)

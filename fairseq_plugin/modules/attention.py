@@ -29,10 +29,12 @@ from ..torch_release import TORCH_RELEASE
 from .dropout import Dropout
 from .packing import NO_PACKING, Packing
 
-# Since torch 2.5, scaled_dot_product_attention returns zeros for a query whose boolean mask allows
-# no key (a left-padded target's padding); older versions return NaN there, in the output and in
-# the gradients, so we let such a query see every key and zero its row afterwards.
-_SDPA_ZEROES_EMPTY_ROWS = TORCH_RELEASE >= (2, 5)
+# Since torch 2.5, scaled_dot_product_attention's CPU kernels return zeros for a query whose boolean
+# mask allows no key (a left-padded target's padding); older versions return NaN there, in the
+# output and in the gradients. On a GPU the answer depends on the backend torch picks (a backend
+# that fills masked keys with a finite minimum instead of -inf returns the mean of the values).
+# Where zeros are not certain, we let such a query see every key and zero its row afterwards.
+_SDPA_ZEROES_EMPTY_ROWS_ON_CPU = TORCH_RELEASE >= (2, 5)
 
 FUSED, EXPLICIT = "fused", "explicit"
 
@@ -93,12 +95,18 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool
     if kernel == EXPLICIT:
         return explicit_attention(q, k, v, mask, dropout)
     empty = None
-    if mask is not None and mask.dtype == torch.bool and not _SDPA_ZEROES_EMPTY_ROWS:
+    if mask is not None and mask.dtype == torch.bool and not fused_kernel_zeroes_empty_rows(q):
         empty = ~mask.any(-1, keepdim=True)  # queries with no key to attend to
         mask = mask | empty
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                          dropout_p=dropout.p if dropout.active else 0.0)
     return (out if empty is None else out.masked_fill(empty, 0.0)), None
+
+
+def fused_kernel_zeroes_empty_rows(q: Tensor) -> bool:
+    """Whether the fused kernel is certain to return zeros for a query that may attend to no key
+    (see _SDPA_ZEROES_EMPTY_ROWS_ON_CPU)."""
+    return _SDPA_ZEROES_EMPTY_ROWS_ON_CPU and q.device.type == "cpu"
 
 
 def group_queries(q: Tensor, group: int) -> Tensor:
