@@ -139,6 +139,8 @@ def first_test_sentences(data_bin, n, work):
         dictionary = Dictionary.load(os.path.join(data_bin, f"dict.{lang}.txt"))
         prefix = f"test.{src}-{tgt}.{lang}"
         sentences = data_utils.load_indexed_dataset(os.path.join(data_bin, prefix), dictionary)
+        if getattr(sentences, "supports_prefetch", False):  # --dataset-impl cached / lazy
+            sentences.prefetch(range(n))
         out = os.path.join(dest, prefix)
         builder = indexed_dataset.make_builder(indexed_dataset.data_file_path(out), impl="mmap",
                                                vocab_size=len(dictionary))

@@ -149,16 +149,26 @@ def test_rounds_alternate_the_order_so_that_even_rounds_balance_it():
         assert places == sorted(2 - p for p in places)
 
 
-def test_decoding_part_of_a_test_set_takes_its_first_sentences(tmp_path):
+@pytest.mark.parametrize("dataset_impl", ["mmap", "cached"])
+def test_decoding_part_of_a_test_set_takes_its_first_sentences(tmp_path, dataset_impl):
     from fairseq.data import Dictionary, data_utils
 
-    data_bin = reverse_data_bin(tmp_path, "--train", 50, "--valid", 10, "--test", 30)
+    from conftest import cli
+    from fairseq_plugin.cli import reverse_task
+
+    reverse_task.main([str(tmp_path / "raw"), "--train", "50", "--valid", "10", "--test", "30"])
+    data_bin = tmp_path / "bin"
+    cli("fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
+        *[f for s in ("train", "valid", "test") for f in (f"--{s}pref", f"{tmp_path}/raw/{s}")],
+        "--destdir", data_bin, "--joined-dictionary", "--dataset-impl", dataset_impl)
     subset = load_benchmark().first_test_sentences(str(data_bin), 7, str(tmp_path / "work"))
     for lang in ("src", "tgt"):
         d = Dictionary.load(os.path.join(data_bin, f"dict.{lang}.txt"))
         full, first = (data_utils.load_indexed_dataset(os.path.join(folder, f"test.src-tgt.{lang}"),
                                                        d) for folder in (str(data_bin), subset))
         assert len(full) == 30 and len(first) == 7
+        if dataset_impl == "cached":  # (read only what was prefetched)
+            full.prefetch(range(7))
         assert all(first[i].tolist() == full[i].tolist() for i in range(7))
 
 

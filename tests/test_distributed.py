@@ -87,16 +87,23 @@ def test_a_failing_rank_stops_the_others_and_the_launch_fails(rank1_ignores_sigt
     # rank 0 fails at once; rank 1 would wait a minute (as a rank blocked in an all-reduce), and
     # may not even stop when asked to: it is then killed after the grace period
     monkeypatch.setattr(launch_cpu_ranks, "STOP_GRACE_SECONDS", 1)
-    child = ("import signal, sys, time; "
+    ready = tmp_path / "rank1-ready"  # rank 0 fails once rank 1 ignores SIGTERM, if it does
+    child = ("import os, signal, sys, time; "
              "rank = int(sys.argv[sys.argv.index('--distributed-rank') + 1]); "
              + ("signal.signal(signal.SIGTERM, signal.SIG_IGN); " if rank1_ignores_sigterm
                 else "")
-             + "time.sleep(60) if rank else sys.exit(3)")
+             + f"ready = {str(ready)!r}; "
+             "open(ready, 'w').close() if rank else None; "
+             "[time.sleep(0.05) for _ in range(600) if not os.path.exists(ready)]; "
+             "time.sleep(60) if rank else sys.exit(3)")
     start = time.monotonic()
     status = launch_cpu_ranks.launch([sys.executable, "-c", child], nprocs=2,
                                      log_dir=str(tmp_path))
+    elapsed = time.monotonic() - start
     assert status == 3
-    assert time.monotonic() - start < 15  # rank 1 was stopped, not waited for
+    assert elapsed < 15  # rank 1 was stopped, not waited for
+    if rank1_ignores_sigterm:  # stopped by SIGKILL after the grace period
+        assert elapsed >= 1
     assert capfd.readouterr().err.endswith(
         "error: rank 0 exited with status 3; stopping the others (its output: above)\n")
 
@@ -116,6 +123,66 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_log_and_the_shells_status(t
         f"error: rank 1 was killed by SIGKILL (out of memory?); stopping the others (its "
         f"output: {log})\n")
     assert log.read_text() == "rank 1 about to die\n"  # unbuffered: nothing lost with the rank
+
+
+def test_the_rank_that_ended_first_is_named_though_another_fails_right_after(tmp_path, capfd):
+    """Rank 1 dies; rank 0, which waited for it, fails 50 ms later (as in an all-reduce): rank 1
+    is the one named, and its status is the launcher's."""
+    done = tmp_path / "rank1-done"
+    child = ("import os, sys, time; "
+             "rank = int(sys.argv[sys.argv.index('--distributed-rank') + 1]); "
+             f"done = {str(done)!r}; "
+             "(open(done, 'w').close(), sys.exit(5)) if rank else None; "
+             "[time.sleep(0.01) for _ in range(3000) if not os.path.exists(done)]; "
+             "time.sleep(0.05); sys.exit(7)")
+    assert launch_cpu_ranks.launch([sys.executable, "-c", child], nprocs=2,
+                                   log_dir=str(tmp_path)) == 5
+    assert "error: rank 1 exited with status 5; stopping the others" in capfd.readouterr().err
+
+
+def test_a_second_sigterm_while_the_ranks_stop_leaves_none_running(tmp_path):
+    """Rank 0 fails, rank 1 ignores SIGTERM; a SIGTERM to the launcher during the grace period
+    does not cut the stop short: rank 1 is still killed and reaped."""
+    child = ("import os, signal, sys, time; "
+             "rank = sys.argv[sys.argv.index('--distributed-rank') + 1]; "
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             f"open(os.path.join({str(tmp_path)!r}, 'pid' + rank), 'w').write(str(os.getpid())); "
+             f"[time.sleep(0.05) for _ in range(600) "
+             f"if not os.path.exists(os.path.join({str(tmp_path)!r}, 'pid1'))]; "
+             "time.sleep(60) if rank == '1' else sys.exit(3)")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "fairseq_plugin.cli.launch_cpu_ranks", "--nprocs", "2",
+         "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "-c", child],
+        cwd=REPO, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    err = ""
+    while "stopping the others" not in err:  # rank 0 has failed: the grace period runs
+        assert time.monotonic() < deadline
+        err += launcher.stderr.readline()
+    launcher.send_signal(signal.SIGTERM)
+    launcher.wait(timeout=30)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "pid1").read_text()), 0)
+
+
+def test_under_nohup_a_hangup_stops_neither_the_launcher_nor_its_ranks(tmp_path):
+    """SIGHUP ignored when the launcher starts (nohup) stays ignored, in it and in its ranks."""
+    child = ("import os, signal, sys, time; "
+             "rank = sys.argv[sys.argv.index('--distributed-rank') + 1]; "
+             f"open(os.path.join({str(tmp_path)!r}, 'hup' + rank), 'w')"
+             ".write(str(signal.getsignal(signal.SIGHUP))); time.sleep(2)")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "fairseq_plugin.cli.launch_cpu_ranks", "--nprocs", "2",
+         "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "-c", child],
+        cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    files = [tmp_path / "hup0", tmp_path / "hup1"]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() and f.read_text() for f in files):
+        assert launcher.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGHUP)
+    assert launcher.wait(timeout=30) == 0
+    assert [f.read_text() for f in files] == [str(signal.SIG_IGN)] * 2
 
 
 def test_stopping_the_launcher_stops_every_rank(tmp_path):
@@ -194,7 +261,11 @@ def test_the_launcher_has_help_and_names_a_missing_command_in_one_line(capsys):
     (["--log-dir", "{file}", "--", sys.executable],
      "--log-dir {file}: cannot make a folder there (File exists); give another path"),
     (["--log-dir", "{tmp}", "--", "{script}"],
-     "cannot start {script}: Exec format error; run a script as: python script.py ..."),
+     "cannot start the ranks: {script}: Exec format error; run a script as: python script.py "
+     "..."),
+    (["--", sys.executable, "train.py", "--local_rank", "1"],
+     "--local_rank: the launcher sets it for every rank; leave it out of the command (every CPU "
+     "rank is device 0)"),
 ])
 def test_the_launchers_bad_input_gets_one_line_before_any_rank_starts(argv, message, tmp_path,
                                                                       capsys):

@@ -150,8 +150,8 @@ def test_a_named_corpus_is_downloaded_gunzipped_and_prepared_under_its_split_nam
     assert last.startswith(f"annotated-prepare: error: cannot download {offline['train.de']} (")
     assert last.endswith("on a machine without internet access, pass the raw files with --raw-dir")
     monkeypatch.setitem(prepare_translation.CORPORA["multi30k"], "download", urls)
-    prepare_translation.main(["--corpus", "multi30k", "--dest", str(tmp_path / "bin"),
-                              "--bpe-merges", "100"])
+    prepare_translation.main(["--corpus", "multi30k", "--dest", str(tmp_path / "bin") + "/",
+                              "--bpe-merges", "100"])  # DEST/: its raw text still in DEST.raw
     for lang in ("de", "en"):
         assert (tmp_path / "bin.raw" / f"test2016.{lang}").read_text(encoding="utf-8") == \
             (web / f"test.{lang}").read_text(encoding="utf-8")
@@ -245,6 +245,7 @@ def test_prepare_force_replaces_only_what_the_earlier_preparation_wrote(tmp_path
                                 bpe_merges=50, force=True)
     assert sorted(os.listdir(dest)) == sorted([
         ".annotated-prepare", "prepare.json", "bpe.codes", "text", "raw", "preprocess.log",
+        "prepare.log",
         "dict.de.txt", "dict.en.txt", "notes.txt", "mymodels",
         *(f"{split}.de-en.{lang}.{ext}" for split in splits for lang in ("de", "en")
           for ext in ("bin", "idx"))])
@@ -747,3 +748,101 @@ def test_no_valid_or_test_sentence_of_the_bundled_sample_occurs_in_its_training_
         leaks = [(split, s, t) for split in ("valid", "test") for s in read(split, lang)
                  for t in train.get(letters(s), ()) if normalise(t) == normalise(s)]
         assert not leaks, f"{len(leaks)} {lang} sentences leak into train, e.g. {leaks[:3]}"
+
+
+def test_prepare_keeps_pairs_aligned_across_carriage_returns_and_leaves_out_empty_training_pairs(
+        tmp_path, capsys):
+    """A carriage return inside a line (not a line end) becomes a space instead of splitting the
+    line; a training pair with an empty side is left out, and said so."""
+    raw = tmp_path / "raw"
+    write_slice(raw, n_train=200, n_eval=5)
+    de = (raw / "train.de").read_text(encoding="utf-8").splitlines()
+    en = (raw / "train.en").read_text(encoding="utf-8").splitlines()
+    de[1] = de[1].replace(" ", "\r", 1)
+    en[3] = ""
+    en[4] = en[4] + "\r"  # a CRLF line among LF ones
+    (raw / "train.de").write_bytes("\n".join(de + [""]).encode("utf-8"))
+    (raw / "train.en").write_bytes("\n".join(en + [""]).encode("utf-8"))
+    settings = prepare_translation.prepare(str(raw), str(tmp_path / "bin"), "de", "en",
+                                           {"train": "train", "valid": "valid", "test": "test"},
+                                           bpe_merges=100)
+    assert "train: left out 1 pairs with an empty side (lines 4)" in capsys.readouterr().err
+    assert settings["splits"]["train"] == 199 and settings["train_pairs_left_out_empty"] == 1
+    tokenised = {lang: read_lines(tmp_path / "bin" / "text" / f"train.{lang}")
+                 for lang in ("de", "en")}
+    assert len(tokenised["de"]) == len(tokenised["en"]) == 199
+    # the pair after the left-out one is still a pair: the same as tokenised on its own
+    bpe_de = tokenised["de"][3].replace("@@ ", "")
+    assert bpe_de == prepare_translation.moses_tokenizer("de")(" ".join(de[4].split()))
+    assert tokenised["de"][1].replace("@@ ", "") == prepare_translation.moses_tokenizer("de")(
+        " ".join(de[1].split()))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"source_lang": "pt.br"}, "--source-lang pt.br: use letters, digits and _ only (fairseq "
+                               "splits its file names at '.' and '-'), e.g. pt_br"),
+    ({"target_lang": "de"}, "--source-lang and --target-lang are both de; give two different "
+                            "codes"),
+    ({"workers": 0}, "--workers 0: give at least 1 process"),
+    ({"directory": "train.de"}, "cannot read {raw}/train.de ([Errno 21] Is a directory: "
+                                "'{raw}/train.de'); give plain or gzipped UTF-8 text"),
+    ({"false_gz": "train.de"}, "cannot read {raw}/train.de (Not a gzipped file (b'Er')); give "
+                               "plain or gzipped UTF-8 text"),
+])
+def test_prepare_refuses_bad_languages_workers_and_unreadable_files_before_writing(
+        tmp_path, change, message):
+    raw = tmp_path / "raw"
+    write_slice(raw, n_train=20, n_eval=5)
+    if "directory" in change:
+        (raw / change["directory"]).unlink()
+        (raw / change["directory"]).mkdir()
+    if "false_gz" in change:
+        (raw / change["false_gz"]).rename(raw / (change["false_gz"] + ".gz"))
+    arguments = {"source_lang": "de", "target_lang": "en", "workers": 2}
+    arguments.update((k, v) for k, v in change.items() if k in arguments)
+    with pytest.raises(prepare_translation.PrepareError) as refused:
+        prepare_translation.prepare(str(raw), str(tmp_path / "bin"), arguments["source_lang"],
+                                    arguments["target_lang"],
+                                    {"train": "train", "valid": "valid", "test": "test"},
+                                    workers=arguments["workers"])
+    assert str(refused.value) == message.format(raw=raw)
+    assert not (tmp_path / "bin").exists()
+
+
+def test_iwslt14_from_an_archive_overwrites_no_folder_of_the_users(tmp_path):
+    """The archive is unpacked into DEST.download, not next to it (where the user's own de-en/
+    may be), and DEST.raw is refused when annotated-prepare did not make it; both before any
+    download, unpacking or conversion."""
+    import tarfile
+
+    source = tmp_path / "source" / "de-en"
+    source.mkdir(parents=True)
+    for lang in ("de", "en"):
+        (source / f"train.tags.de-en.{lang}").write_text(
+            "".join(f"{lang} Satz {i} .\n" for i in range(60)), encoding="utf-8")
+        for name in prepare_translation.IWSLT_TEST_SETS:
+            (source / f"{name}.de-en.{lang}.xml").write_text(
+                f'<seg id="1">{lang} {name} eins</seg>\n', encoding="utf-8")
+    archive = tmp_path / "de-en.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(source, arcname="de-en")
+    mine = tmp_path / "de-en"  # the user's own folder next to the archive
+    mine.mkdir()
+    (mine / "train.tags.de-en.de").write_text("MY EDITED COPY\n")
+    (tmp_path / "bin.raw").mkdir()
+    (tmp_path / "bin.raw" / "train.de").write_text("mine too\n")
+    with pytest.raises(SystemExit) as refused:
+        prepare_translation.main(["--corpus", "iwslt14", "--raw-dir", str(archive),
+                                  "--dest", str(tmp_path / "bin"), "--bpe-merges", "20"])
+    assert str(refused.value.code) == (
+        f"annotated-prepare: error: {tmp_path}/bin.raw exists and was not made by "
+        f"annotated-prepare, which writes the converted text there; move it, or choose another "
+        f"--dest")
+    assert (tmp_path / "bin.raw" / "train.de").read_text() == "mine too\n"
+    (tmp_path / "bin.raw" / "train.de").unlink()
+    (tmp_path / "bin.raw").rmdir()
+    prepare_translation.main(["--corpus", "iwslt14", "--raw-dir", str(archive),
+                              "--dest", str(tmp_path / "bin"), "--bpe-merges", "20"])
+    assert (mine / "train.tags.de-en.de").read_text() == "MY EDITED COPY\n"
+    assert (tmp_path / "bin.download" / "de-en" / "train.tags.de-en.de").exists()
+    assert json.loads((tmp_path / "bin" / "prepare.json").read_text())["splits"]["test"] == 5

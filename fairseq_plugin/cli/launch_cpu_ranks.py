@@ -17,11 +17,13 @@ SIGTERM, SIGHUP), so are the ranks.
 import argparse
 import errno
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 PROG = "annotated-launch-cpu-ranks"
@@ -36,7 +38,9 @@ LAUNCHER_FLAGS = {
     "--distributed-backend": "the launcher's ranks use gloo",
     "--ddp-backend": "the launcher's ranks use legacy_ddp (c10d refuses CPU models)",
     "--device-id": "every CPU rank is device 0",
+    "--local_rank": "every CPU rank is device 0",  # fairseq's alias of --device-id
 }
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # ended through SystemExit (main)
 
 
 def free_port() -> int:
@@ -95,21 +99,26 @@ def launch(command, nprocs, log_dir, port=None, threads=None, cpu=True, ddp_back
 
 def wait_for_ranks(procs, log_dir) -> int:
     """0 once every rank has succeeded; at the first failure, its status (the others are then
-    stopped by the caller)."""
-    running = dict(enumerate(procs))
-    while running:
-        for rank, proc in list(running.items()):
-            code = proc.poll()
-            if code is None:
-                continue
-            del running[rank]
-            if code != 0:
-                output = ("above" if rank == 0
-                          else os.path.join(log_dir, f"rank{rank}.log"))
-                sys.stderr.write(f"{PROG}: error: {rank_failure(rank, code)}; stopping the "
-                                 f"others (its output: {output})\n")
-                return 128 - code if code < 0 else code
-        time.sleep(0.2)
+    stopped by the caller). Ranks are taken in the order they end (one waiting thread each): when
+    one rank dies, the others fail soon after ("Connection closed by peer"), and the first is the
+    one to name."""
+    ended = queue.Queue()
+
+    for rank, proc in enumerate(procs):
+        threading.Thread(target=lambda rank=rank, proc=proc: ended.put((rank, proc.wait())),
+                         daemon=True).start()
+    for _ in procs:
+        while True:
+            try:  # (a timeout, so that signals are handled while waiting)
+                rank, code = ended.get(timeout=0.2)
+                break
+            except queue.Empty:
+                pass
+        if code != 0:
+            output = "above" if rank == 0 else os.path.join(log_dir, f"rank{rank}.log")
+            sys.stderr.write(f"{PROG}: error: {rank_failure(rank, code)}; stopping the others "
+                             f"(its output: {output})\n")
+            return 128 - code if code < 0 else code
     return 0
 
 
@@ -124,7 +133,23 @@ def rank_failure(rank: int, code: int) -> str:
 
 def stop(procs) -> None:
     """Ask every rank still running to stop (SIGTERM), kill those still running after
-    STOP_GRACE_SECONDS, and reap them all."""
+    STOP_GRACE_SECONDS, and reap them all; a Ctrl-C, SIGTERM or SIGHUP meanwhile is held until
+    they are, then takes its course."""
+    held, previous = [], {}
+    if threading.current_thread() is threading.main_thread():  # (where handlers can be set)
+        for signum in (signal.SIGINT, *STOP_SIGNALS):
+            if signal.getsignal(signum) not in (signal.SIG_IGN, None):
+                previous[signum] = signal.signal(signum, lambda signum, _: held.append(signum))
+    try:
+        stop_now(procs)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if held:
+        signal.raise_signal(held[0])
+
+
+def stop_now(procs) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
@@ -183,6 +208,7 @@ def main(argv=None):
     if args.port is not None:
         try:
             with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store binds
                 s.bind(("127.0.0.1", args.port))
         except OSError as e:
             p.error(f"--port {args.port}: {e.strerror}; give another port, or leave --port out "
@@ -192,16 +218,17 @@ def main(argv=None):
     except OSError as e:
         p.error(f"--log-dir {args.log_dir}: cannot make a folder there ({e.strerror}); give "
                 f"another path")
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, exit_on_signal)
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
+            signal.signal(signum, exit_on_signal)
     try:
         status = launch(command, args.nprocs, args.log_dir, args.port, args.threads)
     except KeyboardInterrupt:  # Ctrl-C reaches the ranks too; launch has reaped them
         status = 128 + signal.SIGINT
-    except OSError as e:
+    except OSError as e:  # the command, or a rank's log file
         hint = ("run a script as: python script.py ..." if e.errno == errno.ENOEXEC
                 else "check the path and its permissions")
-        p.error(f"cannot start {e.filename or command[0]}: {e.strerror}; {hint}")
+        p.error(f"cannot start the ranks: {e.filename or command[0]}: {e.strerror}; {hint}")
     sys.exit(status)
 
 

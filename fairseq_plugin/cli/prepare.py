@@ -69,7 +69,8 @@ MARKER = ".annotated-prepare"  # written first into DEST: --force replaces only 
 # splits (train.de-en.de.bin, valid1.de-en.en.idx, ...; its workers' parts, train.de-en.de.pt1.bin,
 # when it stopped before merging them) and log
 PREPARATION_ENTRY = re.compile(
-    r"\.annotated-prepare|prepare\.json|bpe\.codes|text|raw|preprocess\.log|dict\.[^.]+\.txt"
+    r"\.annotated-prepare|prepare\.json|prepare\.log|bpe\.codes|text|raw|preprocess\.log"
+    r"|dict\.[^.]+\.txt"
     r"|(train|valid\d*|test\d*)\.[^.]+-[^.]+\.[^.]+(\.pt\d+)?\.(bin|idx)")
 
 
@@ -79,8 +80,11 @@ def earlier_preparation(dest) -> bool:
 
 
 def remove_earlier_preparation(dest) -> None:
-    """Delete what an earlier preparation wrote in DEST, and only that: other files stay."""
-    for name in os.listdir(dest):
+    """Delete what an earlier preparation wrote in DEST, and only that: other files stay.
+    prepare.json (a finished preparation) goes first and the marker last, so that a deletion
+    stopped half-way leaves a preparation that is neither taken as finished nor someone else's."""
+    order = {"prepare.json": 0, MARKER: 2}
+    for name in sorted(os.listdir(dest), key=lambda name: order.get(name, 1)):
         path = os.path.join(dest, name)
         if not PREPARATION_ENTRY.fullmatch(name):
             continue
@@ -91,12 +95,14 @@ def remove_earlier_preparation(dest) -> None:
 
 
 def open_text(path):
-    """A plain or gzipped UTF-8 text file (PATH or PATH.gz), without a leading byte-order mark."""
+    """A plain or gzipped UTF-8 text file (PATH or PATH.gz), without a leading byte-order mark.
+    Lines end at "\n" only: a carriage return inside a line (which Python's universal newlines
+    would take for a line end, misaligning a parallel corpus) stays in it, to become a space."""
     if not os.path.exists(path) and os.path.exists(path + ".gz"):
         path += ".gz"
     if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8-sig")
-    return open(path, encoding="utf-8-sig")
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="\n")
+    return open(path, encoding="utf-8-sig", newline="\n")
 
 
 def not_utf8(path) -> str:
@@ -121,15 +127,20 @@ def read_parallel(raw_dir, prefix, src, tgt):
     for path in paths:
         if not exists(path):
             raise PrepareError(f"missing file {path} (or {path}.gz): expected "
-                               f"RAW_DIR/{prefix}.{{{src},{tgt}}}, one sentence per line")
+                               f"RAW_DIR/{prefix}.{{{src},{tgt}}}, one sentence per line (other "
+                               f"prefixes: --train, --valid, --test)")
     sides = []
     for path in paths:
-        with open_text(path) as f:
-            try:
-                sides.append([" ".join(line.split()) for line in f])  # tabs, edges -> one space
-            except UnicodeDecodeError as e:
-                raise PrepareError(f"{path} is not UTF-8 text ({not_utf8(path)}); convert it, "
-                                   f"e.g. iconv -f latin1 -t utf-8") from e
+        try:
+            with open_text(path) as f:
+                # tabs, carriage returns, edges -> one space
+                sides.append([" ".join(line.split()) for line in f])
+        except UnicodeDecodeError as e:
+            raise PrepareError(f"{path} is not UTF-8 text ({not_utf8(path)}); convert it, "
+                               f"e.g. iconv -f latin1 -t utf-8") from e
+        except (OSError, EOFError) as e:  # a directory, a truncated or false .gz, ...
+            raise PrepareError(f"cannot read {path} ({e}); give plain or gzipped UTF-8 "
+                               f"text") from e
     if len(sides[0]) != len(sides[1]):
         raise PrepareError(f"{paths[0]} has {len(sides[0])} lines but {paths[1]} has "
                            f"{len(sides[1])}: parallel files must be aligned line by line")
@@ -139,6 +150,14 @@ def read_parallel(raw_dir, prefix, src, tgt):
     if empty == len(sides[0]):
         raise PrepareError(f"{paths[0]} / {paths[1]}: every pair has an empty side")
     return sides
+
+
+def without_empty_pairs(sides):
+    """The pairs of which neither side is empty, and the line numbers of the others (a sentence
+    paired with nothing teaches the model to translate it into nothing)."""
+    kept = [(a, b) for a, b in zip(*sides) if a and b]
+    dropped = [i for i, (a, b) in enumerate(zip(*sides), 1) if not a or not b]
+    return [[a for a, _ in kept], [b for _, b in kept]], dropped
 
 
 def fetch(url, directory):
@@ -165,10 +184,17 @@ def download(corpus, raw_dir):
     for name, url in CORPORA[corpus]["download"].items():
         target = os.path.join(raw_dir, name)
         if not os.path.exists(target):
-            with open(fetch(url, raw_dir + ".download"), "rb") as f:
+            downloaded = fetch(url, raw_dir + ".download")
+            with open(downloaded, "rb") as f:
                 data = f.read()
-            with open(target, "wb") as f:
-                f.write(gzip.decompress(data) if url.endswith(".gz") else data)
+            try:
+                data = gzip.decompress(data) if url.endswith(".gz") else data
+            except (OSError, EOFError) as e:
+                raise PrepareError(f"{downloaded} is not a whole gzip file ({e}); delete it to "
+                                   f"download it again") from e
+            with open(target + ".part", "wb") as f:
+                f.write(data)
+            os.replace(target + ".part", target)
 
 
 IWSLT_TEST_SETS = ["IWSLT14.TED.dev2010", "IWSLT14.TEDX.dev2012", "IWSLT14.TED.tst2010",
@@ -180,7 +206,7 @@ IWSLT_META_TAGS = ("<url", "<talkid", "<keywords", "<speaker", "<reviewer", "<tr
 def _iwslt_train_lines(path):
     """train.tags.de-en.LANG: drop the talks' metadata lines, keep titles and descriptions."""
     out = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", newline="\n") as f:
         for line in f:
             line = line.strip()
             if line.startswith(IWSLT_META_TAGS):
@@ -194,18 +220,33 @@ def _iwslt_xml_segments(path):
         return [m.group(1).strip() for m in re.finditer(r"<seg[^>]*>(.*?)</seg>", f.read())]
 
 
-def iwslt14_to_raw(extracted, raw_dir, src="de", tgt="en"):
-    """The extracted de-en/ folder (or the .tgz) -> raw_dir/{train,valid,test}.{de,en}."""
+RAW_MARKER = ".annotated-prepare-raw"  # in a folder annotated-prepare made (DEST.raw, ...)
+
+
+def own_folder(path, what) -> str:
+    """``path``, made if absent; refused when it exists and annotated-prepare did not make it
+    (its files would be overwritten)."""
+    if os.path.exists(path) and not os.path.exists(os.path.join(path, RAW_MARKER)):
+        raise PrepareError(f"{path} exists and was not made by annotated-prepare, which writes "
+                           f"{what} there; move it, or choose another --dest")
+    os.makedirs(path, exist_ok=True)
+    open(os.path.join(path, RAW_MARKER), "w").close()
+    return path
+
+
+def iwslt14_to_raw(extracted, raw_dir, src="de", tgt="en", unpack_dir=None):
+    """The extracted de-en/ folder (or the .tgz, unpacked into ``unpack_dir``, by default next
+    to it) -> raw_dir/{train,valid,test}.{de,en}."""
     import tarfile
 
     if os.path.isfile(extracted):
+        where = unpack_dir or os.path.dirname(os.path.abspath(extracted))
         with tarfile.open(extracted) as tar:
-            where = os.path.dirname(os.path.abspath(extracted))
             if hasattr(tarfile, "data_filter"):  # refuse unsafe members where Python can
                 tar.extractall(where, filter="data")
             else:
                 tar.extractall(where)
-        extracted = os.path.join(os.path.dirname(os.path.abspath(extracted)), "de-en")
+        extracted = os.path.join(where, "de-en")
     pair = f"{src}-{tgt}"
     for lang in (src, tgt):
         names = [f"train.tags.{pair}.{lang}"] + [f"{test}.{pair}.{lang}.xml"
@@ -295,9 +336,17 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
 
     if bpe_merges < 1:
         raise PrepareError(f"--bpe-merges {bpe_merges}: give a number of merges of at least 1")
+    if workers < 1:
+        raise PrepareError(f"--workers {workers}: give at least 1 process")
+    check_languages(source_lang, target_lang)
     replace = check_destination(dest, raw_dir, force)
     langs = (source_lang, target_lang)
     data = {split: read_parallel(raw_dir, prefix, *langs) for split, prefix in splits.items()}
+    data["train"], dropped = without_empty_pairs(data["train"])
+    if dropped:
+        print(f"train: left out {len(dropped)} pairs with an empty side (lines "
+              f"{', '.join(map(str, dropped[:10]))}{', ...' if len(dropped) > 10 else ''})",
+              file=sys.stderr, flush=True)
 
     tokenised = {}
     for split, sides in data.items():
@@ -317,9 +366,13 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
                       bpe_merges, "merges") as shown, \
                 mock.patch.object(sys.modules[learn_bpe.__module__], "tqdm", without_bar):
             learn_bpe(train_text, CountingMerges(codes, shown), bpe_merges)
-    if codes.getvalue().count("\n") < 2:  # "#version: 0.2" and no merge
+    learnt = codes.getvalue().count("\n") - 1  # "#version: 0.2", then a merge per line
+    if learnt < 1:
         raise PrepareError(f"no pair of symbols occurs twice in train.{source_lang} + "
                            f"train.{target_lang}, so BPE learnt no merge: give more text")
+    if learnt < bpe_merges:
+        print(f"BPE learnt {learnt} of the {bpe_merges} merges asked for: no other pair of "
+              f"symbols occurs twice in the training text", file=sys.stderr, flush=True)
 
     if replace:  # only once the input is known to be good
         remove_earlier_preparation(dest)
@@ -348,15 +401,30 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
            "--trainpref", os.path.join(text, "train"), "--validpref", os.path.join(text, "valid"),
            "--testpref", os.path.join(text, "test"), "--destdir", dest, "--joined-dictionary",
            "--workers", str(workers)]
-    run(cmd, os.path.join(dest, "preprocess.log"), show=preprocess_summary,
+    # (fairseq-preprocess keeps its own log, DEST/preprocess.log: ours is another file)
+    run(cmd, os.path.join(dest, "prepare.log"), show=preprocess_summary,
         echo=functools.partial(print, file=sys.stderr))
 
     settings = {"source_lang": source_lang, "target_lang": target_lang, "bpe": "subword_nmt",
-                "bpe_codes": "bpe.codes", "bpe_merges": bpe_merges, "tokenizer": "moses",
-                "splits": {s: len(data[s][0]) for s in data}}
-    with open(os.path.join(dest, "prepare.json"), "w") as f:
+                "bpe_codes": "bpe.codes", "bpe_merges": bpe_merges, "bpe_merges_learnt": learnt,
+                "tokenizer": "moses", "splits": {s: len(data[s][0]) for s in data},
+                "train_pairs_left_out_empty": len(dropped)}
+    with open(os.path.join(dest, "prepare.json.part"), "w") as f:  # whole, or not at all
         json.dump(settings, f, indent=2)
+    os.replace(os.path.join(dest, "prepare.json.part"), os.path.join(dest, "prepare.json"))
     return settings
+
+
+def check_languages(source_lang, target_lang) -> None:
+    """Language codes fairseq can find again in its file names (train.de-en.de.bin): letters,
+    digits and _, two different ones."""
+    for option, code in (("--source-lang", source_lang), ("--target-lang", target_lang)):
+        if not re.fullmatch(r"\w+", code):
+            raise PrepareError(f"{option} {code}: use letters, digits and _ only (fairseq splits "
+                               f"its file names at '.' and '-'), e.g. pt_br")
+    if source_lang == target_lang:
+        raise PrepareError(f"--source-lang and --target-lang are both {source_lang}; give two "
+                           f"different codes")
 
 
 def main(argv=None):
@@ -386,10 +454,16 @@ def main(argv=None):
         if getattr(args, split):
             splits[split] = getattr(args, split)
     raw_dir = args.raw_dir or corpus.get("bundled")
+    dest = os.path.normpath(args.dest)  # DEST/ and DEST: DEST.raw, not DEST/.raw
     try:
+        check_languages(src, tgt)
+        # before anything is fetched, unpacked or converted
+        check_destination(dest, raw_dir or dest + ".raw", args.force)
         if "archive" in corpus:  # iwslt14: an archive to fetch (or given) and convert
-            archive = raw_dir or fetch(corpus["archive"], args.dest + ".download")
-            raw_dir = iwslt14_to_raw(archive, args.dest + ".raw", src, tgt)
+            unpacked = own_folder(dest + ".download", "the downloaded and unpacked archive")
+            archive = raw_dir or fetch(corpus["archive"], unpacked)
+            raw_dir = iwslt14_to_raw(archive, own_folder(dest + ".raw", "the converted text"),
+                                     src, tgt, unpack_dir=unpacked)
         elif args.raw_dir is None and "bundled" in corpus and not os.path.isdir(raw_dir):
             raise PrepareError(f"--corpus {args.corpus} reads {raw_dir} of this repository, "
                                f"which is not here: run annotated-prepare in the repository's "
@@ -397,14 +471,14 @@ def main(argv=None):
         elif raw_dir is None:
             if "download" not in corpus:
                 p.error("give --raw-dir (or a named --corpus)")
-            raw_dir = os.path.join(args.dest + ".raw")
+            raw_dir = dest + ".raw"
             download(args.corpus, raw_dir)
-        settings = prepare(raw_dir, args.dest, src, tgt, splits, args.bpe_merges, args.workers,
+        settings = prepare(raw_dir, dest, src, tgt, splits, args.bpe_merges, args.workers,
                            args.force)
     except PluginError as e:
         exit_in_one_line("annotated-prepare", e)
-    print(f"prepared {args.dest}: " + ", ".join(f"{s} {n} pairs"
-                                                 for s, n in settings["splits"].items()))
+    print(f"prepared {dest}: " + ", ".join(f"{s} {n} pairs"
+                                            for s, n in settings["splits"].items()))
 
 
 if __name__ == "__main__":
