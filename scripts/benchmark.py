@@ -640,6 +640,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if (args.profile_steps or args.without_packing) and args.steps_in_process is None:
         p.error("--profile-steps and --without-packing go with --steps-in-process N")
+    if args.profile_steps and args.profile_steps > args.steps_in_process:
+        p.error(f"--profile-steps {args.profile_steps}: at most the {args.steps_in_process} steps "
+                f"of --steps-in-process")
     if args.ctranslate2_worker:
         return ctranslate2_worker(*json.loads(args.ctranslate2_worker))
 

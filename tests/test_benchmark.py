@@ -179,6 +179,8 @@ def test_decoding_part_of_a_test_set_takes_its_first_sentences(tmp_path, dataset
                                     "at least 1, separated by commas, e.g. 25,50,100"),
     (["--steps-in-process", "0"], "argument --steps-in-process: '0': give a whole number of at "
                                   "least 1"),
+    (["--steps-in-process", "2", "--profile-steps", "3"], "--profile-steps 3: at most the 2 steps "
+                                                          "of --steps-in-process"),
     (["--data-bin", "{tmp}/missing"], "--data-bin {tmp}/missing: no such folder; give one made by "
                                       "fairseq-preprocess or annotated-prepare"),
     (["--data-bin", "{tmp}"], "--data-bin {tmp} has no test split (test.*) to decode; binarise "

@@ -48,6 +48,8 @@ esac
 if [ ! -f "$DATA/prepare.json" ]; then  # --force: redo a preparation stopped half-way
   "$BIN/annotated-prepare" --corpus multi30k ${RAW_DIR:+--raw-dir "$RAW_DIR"} \
       --dest "$DATA" --bpe-merges 8000 --force
+else
+  echo "run.sh: reusing $DATA (prepared earlier; delete it to prepare again)"
 fi
 
 # Same hyper-parameters for both architectures: d_model 256, 3+3 layers, d_ff 512, 8 heads,
