@@ -103,7 +103,6 @@ def wait_for_ranks(procs, log_dir) -> int:
     one rank dies, the others fail soon after ("Connection closed by peer"), and the first is the
     one to name."""
     ended = queue.Queue()
-
     for rank, proc in enumerate(procs):
         threading.Thread(target=lambda rank=rank, proc=proc: ended.put((rank, proc.wait())),
                          daemon=True).start()
@@ -150,6 +149,7 @@ def stop(procs) -> None:
 
 
 def stop_now(procs) -> None:
+    """SIGTERM to the ranks still running, SIGKILL to those left after the grace period."""
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
