@@ -140,6 +140,22 @@ def test_the_rank_that_ended_first_is_named_though_another_fails_right_after(tmp
     assert "error: rank 1 exited with status 5; stopping the others" in capfd.readouterr().err
 
 
+def start_launcher(tmp_path, child, **popen):
+    """The launcher in a process of its own, as a user runs it: 2 ranks running ``child``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "fairseq_plugin.cli.launch_cpu_ranks", "--nprocs", "2",
+         "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "-c", child],
+        cwd=REPO, **popen)
+
+
+def wait_for_files(files, launcher):
+    """Until every rank has written its file, the launcher still running."""
+    deadline = time.monotonic() + 60
+    while not all(f.exists() and f.read_text() for f in files):
+        assert launcher.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_a_second_sigterm_while_the_ranks_stop_leaves_none_running(tmp_path):
     """Rank 0 fails, rank 1 ignores SIGTERM; a SIGTERM to the launcher during the grace period
     does not cut the stop short: rank 1 is still killed and reaped."""
@@ -150,10 +166,7 @@ def test_a_second_sigterm_while_the_ranks_stop_leaves_none_running(tmp_path):
              f"[time.sleep(0.05) for _ in range(600) "
              f"if not os.path.exists(os.path.join({str(tmp_path)!r}, 'pid1'))]; "
              "time.sleep(60) if rank == '1' else sys.exit(3)")
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "fairseq_plugin.cli.launch_cpu_ranks", "--nprocs", "2",
-         "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "-c", child],
-        cwd=REPO, stderr=subprocess.PIPE, text=True)
+    launcher = start_launcher(tmp_path, child, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     err = ""
     while "stopping the others" not in err:  # rank 0 has failed: the grace period runs
@@ -171,15 +184,10 @@ def test_under_nohup_a_hangup_stops_neither_the_launcher_nor_its_ranks(tmp_path)
              "rank = sys.argv[sys.argv.index('--distributed-rank') + 1]; "
              f"open(os.path.join({str(tmp_path)!r}, 'hup' + rank), 'w')"
              ".write(str(signal.getsignal(signal.SIGHUP))); time.sleep(2)")
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "fairseq_plugin.cli.launch_cpu_ranks", "--nprocs", "2",
-         "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "-c", child],
-        cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    launcher = start_launcher(tmp_path, child,
+                              preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     files = [tmp_path / "hup0", tmp_path / "hup1"]
-    deadline = time.monotonic() + 60
-    while not all(f.exists() and f.read_text() for f in files):
-        assert launcher.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for_files(files, launcher)
     launcher.send_signal(signal.SIGHUP)
     assert launcher.wait(timeout=30) == 0
     assert [f.read_text() for f in files] == [str(signal.SIG_IGN)] * 2
@@ -191,15 +199,9 @@ def test_stopping_the_launcher_stops_every_rank(tmp_path):
              "rank = sys.argv[sys.argv.index('--distributed-rank') + 1]; "
              f"open(os.path.join({str(tmp_path)!r}, 'pid' + rank), 'w').write(str(os.getpid())); "
              "time.sleep(60)")
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "fairseq_plugin.cli.launch_cpu_ranks", "--nprocs", "2",
-         "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "-c", child],
-        cwd=REPO, stderr=subprocess.PIPE, text=True)
+    launcher = start_launcher(tmp_path, child)
     pid_files = [tmp_path / "pid0", tmp_path / "pid1"]
-    deadline = time.monotonic() + 60
-    while not all(f.exists() and f.read_text() for f in pid_files):
-        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
-        time.sleep(0.1)
+    wait_for_files(pid_files, launcher)
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
     for f in pid_files:
