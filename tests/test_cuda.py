@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from fairseq.sequence_generator import SequenceGenerator
 
-from conftest import (REVERSE_SEED, build_tiny_model, cli, make_dictionary, random_tokens,
+from conftest import (REPO, REVERSE_SEED, build_tiny_model, cli, make_dictionary, random_tokens,
                       reverse_data_bin, sharpen)
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.modules import dropout
@@ -156,18 +156,33 @@ def reverse_bin(tmp_path_factory):
     return reverse_data_bin(tmp_path_factory.mktemp("reverse-gpu"))
 
 
-# (not --bf16: fairseq 0.12's --bf16 also switches on --tpu, and fairseq-train then looks for a
-# TPU; scripts/benchmark.py and examples/multi30k/run.sh refuse it)
-@pytest.mark.parametrize("precision", ["--fp16", "--amp"])
+# bf16 goes through fairseq-hydra-train: fairseq 0.12's command-line --bf16 also switches on --tpu
+# (fairseq-train then looks for a TPU), its trainer itself casts the model to bf16 on a GPU
+PRECISIONS = {"--fp16": ["--fp16"], "--amp": ["--amp"], "bf16 (fairseq-hydra-train)": None}
+
+
+def train_on_cuda(data_bin, save, precision, work):
+    """The reverse task's 30 epochs on the GPU in ``precision`` (a key of PRECISIONS)."""
+    if PRECISIONS[precision] is None:
+        proc = cli("fairseq-hydra-train", "--config-dir", os.path.join(REPO, "examples", "configs"),
+            "--config-name", "reverse", f"task.data={data_bin}", f"checkpoint.save_dir={save}",
+            f"hydra.run.dir={work}/hydra", "common.cpu=false", "common.bf16=true",
+            f"common.seed={REVERSE_SEED}", "optimization.max_epoch=30", cwd=work)
+        log = proc.stdout + proc.stderr  # the configuration fairseq's trainer was given
+        assert "'bf16': True" in log and "'tpu': False" in log and "'cpu': False" in log
+        return
+    command = reverse_task.train_command(str(data_bin), str(save), 30, seed=REVERSE_SEED)
+    cli(*[c for c in command if c != "--cpu"], *PRECISIONS[precision])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_reverse_task_in_mixed_precision_reaches_the_cpu_bar_and_translates_alike_on_cpu(
         reverse_bin, tmp_path, precision):
     if DEVICE == "cpu":
         pytest.skip("fairseq trains in mixed precision on CUDA only (on the CPU: 'Torch not "
                     "compiled with CUDA enabled')")
     save = tmp_path / "checkpoints"
-    command = reverse_task.train_command(str(reverse_bin), str(save), 30, seed=REVERSE_SEED)
-    command = [c for c in command if c != "--cpu"] + [precision]
-    cli(*command)
+    train_on_cuda(reverse_bin, save, precision, tmp_path)
     checkpoint = str(save / "checkpoint_last.pt")
     outputs = {}
     for device in ("cuda", "cpu"):
