@@ -168,19 +168,28 @@ CUDA_PEAK = ("import atexit, runpy, sys, torch; sys.argv = sys.argv[1:]; "
              "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
+# torch's cuDNN attention backend switched off in a process, for both models alike
+NO_CUDNN_ATTENTION = "torch.backends.cuda.enable_cudnn_sdp(False); "
+
+
 class Device:
     """Where fairseq runs: its flags, and how its peak memory is read (the process's resident
-    memory on the CPU, torch.cuda.max_memory_allocated on a GPU)."""
+    memory on the CPU, torch.cuda.max_memory_allocated on a GPU); on a GPU, whether torch may
+    choose its cuDNN attention backend."""
 
-    def __init__(self, kind: str = "cpu", precision: str = "fp32"):
-        self.kind, self.precision = kind, precision
+    def __init__(self, kind: str = "cpu", precision: str = "fp32", cudnn_attention: bool = True):
+        self.kind, self.precision, self.cudnn_attention = kind, precision, cudnn_attention
 
     def flags(self):
         return (["--cpu"] if self.kind == "cpu" else []) + (
             [] if self.precision == "fp32" else [f"--{self.precision}"])
 
     def command(self, cmd):
-        return cmd if self.kind == "cpu" else [sys.executable, "-c", CUDA_PEAK, *cmd]
+        if self.kind == "cpu":
+            return cmd
+        imports, rest = CUDA_PEAK.split("; ", 1)
+        setup = "" if self.cudnn_attention else NO_CUDNN_ATTENTION
+        return [sys.executable, "-c", f"{imports}; {setup}{rest}", *cmd]
 
     def peak_mb(self, out: str, rss_mb: float) -> float:
         if self.kind == "cpu":
@@ -636,6 +645,10 @@ def main(argv=None):
                    help="beam 5 of both first-round checkpoints in this process, alternated: the "
                         "time in the model's per-step calls and in SequenceGenerator, and "
                         "torch.profiler's operators of each")
+    p.add_argument("--no-cudnn-attention", action="store_true",
+                   help="on a GPU, keep torch from choosing its cuDNN attention backend, for "
+                        "both models (torch.backends.cuda.enable_cudnn_sdp(False) in every "
+                        "process): it builds a cuDNN graph for each new shape of the inputs")
     p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if (args.profile_steps or args.without_packing) and args.steps_in_process is None:
@@ -652,7 +665,13 @@ def main(argv=None):
         p.error("--precision bf16: fairseq 0.12's --bf16 also switches on --tpu (fairseq-train "
                 "then looks for a TPU) and fairseq-generate has no bf16; on a GPU use --precision "
                 "fp16 (or fp32)")
-    device = Device(args.device, args.precision or ("fp32" if args.device == "cpu" else "fp16"))
+    if args.no_cudnn_attention and args.device == "cpu":
+        p.error("--no-cudnn-attention: the cuDNN attention backend exists on a GPU only; add "
+                "--device cuda")
+    device = Device(args.device, args.precision or ("fp32" if args.device == "cpu" else "fp16"),
+                    cudnn_attention=not args.no_cudnn_attention)
+    if not device.cudnn_attention:  # and in this process (in-process steps and decoding)
+        exec(NO_CUDNN_ATTENTION)
     if device.kind == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
     if device.kind == "cuda" and not args.skip_ctranslate2 and args.steps_in_process is None:
@@ -693,7 +712,8 @@ def run(args, device, work):
     gen_bin = (data_bin if n_decoded == n_test
                else first_test_sentences(data_bin, n_decoded, work))
     print(f"benchmark: preset {args.preset} {PRESETS[args.preset]} (layers, d_model, d_ff, "
-          f"heads), {args.rounds} rounds, {device.kind} {device.precision}, data {data_bin}, "
+          f"heads), {args.rounds} rounds, {device.kind} {device.precision}"
+          f"{'' if device.cudnn_attention else ' without cuDNN attention'}, data {data_bin}, "
           f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}\n"
           f"training batches: {src_pad:.1%} source and {tgt_pad:.1%} target positions are "
           f"padding; decoding the first {n_decoded} of {n_test} test sentences", flush=True)

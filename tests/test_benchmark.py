@@ -189,6 +189,8 @@ def test_decoding_part_of_a_test_set_takes_its_first_sentences(tmp_path, dataset
                               "one with --testpref"),
     (["--before", "{tmp}/missing"], "--before {tmp}/missing: no such folder; give one made by a "
                                     "checkout's fairseq_plugin folder"),
+    (["--no-cudnn-attention"], "--no-cudnn-attention: the cuDNN attention backend exists on a "
+                               "GPU only; add --device cuda"),
     (["--work-dir", "{tmp}/a_file"], "--work-dir {tmp}/a_file is a file; give a new or empty "
                                      "directory"),
 ])
@@ -199,3 +201,13 @@ def test_bad_benchmark_options_are_one_error_line_before_any_work(args, message,
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1] == "benchmark.py: error: " + message.format(tmp=tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+def test_without_cudnn_attention_every_gpu_process_switches_it_off_before_fairseq_runs():
+    bench = load_benchmark()
+    command = bench.Device("cuda", "fp16", cudnn_attention=False).command(["fairseq-generate", "x"])
+    setup = command[2]
+    assert (setup.index("import atexit, runpy, sys, torch;") < setup.index(
+        "torch.backends.cuda.enable_cudnn_sdp(False);") < setup.index("runpy.run_path"))
+    assert command[3:] == ["fairseq-generate", "x"]
+    assert "enable_cudnn_sdp" not in bench.Device("cuda", "fp16").command(["x"])[2]
