@@ -670,8 +670,8 @@ def main(argv=None):
                 "--device cuda")
     device = Device(args.device, args.precision or ("fp32" if args.device == "cpu" else "fp16"),
                     cudnn_attention=not args.no_cudnn_attention)
-    if not device.cudnn_attention:  # and in this process (in-process steps and decoding)
-        exec(NO_CUDNN_ATTENTION)
+    if not device.cudnn_attention:  # in this process too (in-process steps and decoding)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if device.kind == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
     if device.kind == "cuda" and not args.skip_ctranslate2 and args.steps_in_process is None:

@@ -165,9 +165,10 @@ def train_on_cuda(data_bin, save, precision, work):
     """The reverse task's 30 epochs on the GPU in ``precision`` (a key of PRECISIONS)."""
     if PRECISIONS[precision] is None:
         proc = cli("fairseq-hydra-train", "--config-dir", os.path.join(REPO, "examples", "configs"),
-            "--config-name", "reverse", f"task.data={data_bin}", f"checkpoint.save_dir={save}",
-            f"hydra.run.dir={work}/hydra", "common.cpu=false", "common.bf16=true",
-            f"common.seed={REVERSE_SEED}", "optimization.max_epoch=30", cwd=work)
+                   "--config-name", "reverse", f"task.data={data_bin}",
+                   f"checkpoint.save_dir={save}", f"hydra.run.dir={work}/hydra",
+                   "common.cpu=false", "common.bf16=true", f"common.seed={REVERSE_SEED}",
+                   "optimization.max_epoch=30", cwd=work)
         log = proc.stdout + proc.stderr  # the configuration fairseq's trainer was given
         assert "'bf16': True" in log and "'tpu': False" in log and "'cpu': False" in log
         return
@@ -179,8 +180,8 @@ def train_on_cuda(data_bin, save, precision, work):
 def test_reverse_task_in_mixed_precision_reaches_the_cpu_bar_and_translates_alike_on_cpu(
         reverse_bin, tmp_path, precision):
     if DEVICE == "cpu":
-        pytest.skip("fairseq trains in mixed precision on CUDA only (on the CPU: 'Torch not "
-                    "compiled with CUDA enabled')")
+        pytest.skip("the GPU's mixed precision: fairseq's --fp16 and --amp need CUDA (on the "
+                    "CPU: 'Torch not compiled with CUDA enabled')")
     save = tmp_path / "checkpoints"
     train_on_cuda(reverse_bin, save, precision, tmp_path)
     checkpoint = str(save / "checkpoint_last.pt")
