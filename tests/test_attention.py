@@ -8,6 +8,8 @@ from conftest import CPU_HALF_DTYPES
 from fairseq_plugin.modules.attention import (
     EXPLICIT,
     FUSED,
+    NO_CUDNN,
+    TORCH_CHOICE,
     MultiHeadedAttention,
     causal_mask,
     choose_kernel,
@@ -269,3 +271,37 @@ def test_a_model_with_encoder_width_128_and_decoder_width_96_initialises_every_m
     for layer in model.encoder.layers:
         assert all(glorot(w, 128, 128) for w in layer.self_attn.qkv_proj.weight.split(128, dim=0))
         assert glorot(layer.self_attn.out_proj.weight, 128, 128)
+
+
+def test_no_cudnn_switches_cudnn_attention_off_inside_the_fused_call_only(monkeypatch):
+    """--fused-attention-backends no-cudnn: torch's cuDNN backend is off while the fused kernel
+    runs (read inside the call), the user's setting is back afterwards, and torch's choice
+    leaves it alone; the attention is the same."""
+    import torch.nn.functional as F
+
+    if not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        pytest.skip("this torch has no cuDNN attention backend to switch off")
+    seen, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *args, **kwargs: (
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled()), sdpa(*args, **kwargs))[1])
+    x, memory = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    mask = pad_mask(torch.tensor([[False] * 7, [False] * 5 + [True] * 2]))
+    results, users = {}, torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        for user_setting in (True, False):
+            torch.backends.cuda.enable_cudnn_sdp(user_setting)
+            for backends in (TORCH_CHOICE, NO_CUDNN):
+                torch.manual_seed(0)
+                attn = MultiHeadedAttention(4, 32, self_attention=False, backends=backends).eval()
+                seen.clear()
+                results[backends] = attn(x, memory, mask=mask)[0]
+                assert seen == [user_setting and backends == TORCH_CHOICE]
+                assert torch.backends.cuda.cudnn_sdp_enabled() == user_setting  # restored
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(users)
+    assert torch.equal(results[TORCH_CHOICE], results[NO_CUDNN])
+
+
+def test_an_unknown_backends_choice_is_refused():
+    with pytest.raises(ValueError, match="'torch' or 'no-cudnn'"):
+        MultiHeadedAttention(4, 32, backends="cudnn")

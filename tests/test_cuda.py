@@ -18,7 +18,8 @@ from conftest import (REPO, REVERSE_SEED, build_tiny_model, cli, make_dictionary
                       reverse_data_bin, sharpen)
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.modules import dropout
-from fairseq_plugin.modules.attention import EXPLICIT, FUSED, MultiHeadedAttention
+from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, NO_CUDNN, TORCH_CHOICE,
+                                              MultiHeadedAttention)
 from fairseq_plugin.testing.recomputing import without_cache
 from test_distributed import check_two_ranks_equal_one_rank_with_update_freq_2, ddp_data_bin
 
@@ -102,6 +103,55 @@ def test_beam_search_is_the_same_with_and_without_the_cache_on_cuda():
 
     for a, b in zip(generate(model), generate(without_cache(model))):
         assert [h["tokens"].tolist() for h in a] == [h["tokens"].tolist() for h in b]
+
+
+def fused_attention_operators(run) -> set:
+    """The fused-attention operators of torch that ``run()`` calls (torch.profiler's names, e.g.
+    aten::_scaled_dot_product_cudnn_attention), and its result."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = run()
+    names = {e.key for e in prof.key_averages()}
+    return {n for n in names if n.startswith("aten::_scaled_dot_product_")}, result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_no_cudnn_keeps_beam_search_and_training_off_cudnn_with_the_same_results_on_cuda(dtype):
+    """--fused-attention-backends no-cudnn: no cuDNN attention operator runs, in beam search
+    (every attention fused) nor in a training step, and the translations and the loss are
+    torch's choice's; the operators each choice ran are printed (-rP)."""
+    d = make_dictionary(40)
+    torch.manual_seed(0)
+    model = sharpen(build_tiny_model(d, dropout=0.0)).to(DEVICE).to(dtype)  # no random draws
+    model.decoder.need_attn = False  # no weights asked for: the fused kernel everywhere
+    src = random_tokens(d, 5, 8).to(DEVICE)
+    src[:, -1] = d.eos()
+    lengths = torch.full((5,), 8).to(DEVICE)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
+    tgt = random_tokens(d, 5, 6).to(DEVICE)
+    operators, translations, losses = {}, {}, {}
+
+    def beam_then_training_step():
+        with torch.no_grad():
+            hypos = SequenceGenerator([model], d, beam_size=4, max_len_b=12).generate([model],
+                                                                                        sample)
+        model.train()
+        loss = model(src, lengths, tgt)[0].float().pow(2).mean()
+        loss.backward()
+        model.eval()
+        return [h[0]["tokens"].tolist() for h in hypos], loss.item()
+
+    for backends in (TORCH_CHOICE, NO_CUDNN):
+        for m in model.modules():
+            if isinstance(m, MultiHeadedAttention):
+                m.backends = backends
+        operators[backends], (translations[backends], losses[backends]) = \
+            fused_attention_operators(beam_then_training_step)
+    print(f"fused attention operators, {DEVICE} {dtype}: {operators}; losses {losses}")  # -rP
+    assert operators[NO_CUDNN] and not any("cudnn" in op for op in operators[NO_CUDNN])
+    assert translations[NO_CUDNN] == translations[TORCH_CHOICE]
+    assert abs(losses[NO_CUDNN] / losses[TORCH_CHOICE] - 1) <= HALF_TOLERANCE[dtype]
 
 
 def test_training_on_cuda_uses_torch_dropout_and_the_fused_kernel(monkeypatch):

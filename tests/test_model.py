@@ -235,6 +235,42 @@ def test_a_checkpoint_whose_flags_name_one_pre_ln_stack_but_has_two_is_refused_w
         pre_ln_encoder_only.load_state_dict(build_tiny_model().state_dict(), strict=False)
 
 
+def test_fused_attention_backends_reach_every_attention_from_the_flag_and_from_overrides(
+        tmp_path):
+    """--fused-attention-backends no-cudnn reaches every attention module from the command line;
+    a checkpoint saved before the option existed loads with torch's choice, and
+    --model-overrides changes it when it loads; another value gets argparse's one line."""
+    from fairseq import checkpoint_utils, options, tasks
+
+    from fairseq_plugin.modules.attention import NO_CUDNN, TORCH_CHOICE, MultiHeadedAttention
+
+    def backends(model):
+        return [m.backends for m in model.modules() if isinstance(m, MultiHeadedAttention)]
+
+    d = make_dictionary(40)
+    d.save(str(tmp_path / "dict.de.txt"))
+    d.save(str(tmp_path / "dict.en.txt"))
+    command = [str(tmp_path), "--arch", "annotated_transformer_tiny", "--source-lang", "de",
+               "--target-lang", "en", "--user-dir", os.path.dirname(fairseq_plugin.__file__)]
+    for extra, expected in (([], TORCH_CHOICE), (["--fused-attention-backends", NO_CUDNN],
+                                                 NO_CUDNN)):
+        args = options.parse_args_and_arch(options.get_training_parser(), command + extra)
+        model = tasks.setup_task(args).build_model(args)
+        modules = len(model.encoder.layers) + 2 * len(model.decoder.layers)
+        assert backends(model) == [expected] * modules
+    with pytest.raises(SystemExit):
+        options.parse_args_and_arch(options.get_training_parser(),
+                                    command + ["--fused-attention-backends", "cudnn"])
+
+    here = os.path.join(os.path.dirname(__file__), "data", "pre_redesign")
+    overrides = {"data": here, "source_lang": "src", "target_lang": "tgt"}
+    for extra, expected in (({}, TORCH_CHOICE), ({"fused_attention_backends": NO_CUDNN},
+                                                 NO_CUDNN)):
+        models, _, _ = checkpoint_utils.load_model_ensemble_and_task(
+            [os.path.join(here, "checkpoint.pt")], arg_overrides={**overrides, **extra})
+        assert set(backends(models[0])) == {expected}
+
+
 def test_a_longer_position_limit_loads_sinusoidal_checkpoints_and_refuses_learned_ones():
     """What --model-overrides "{'max_source_positions': N}" meets when the model loads."""
     d = make_dictionary()

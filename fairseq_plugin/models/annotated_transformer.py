@@ -289,12 +289,13 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
             args.decoder_embed_dim, len(tgt_dict), tgt_dict.pad(), scale)
         share_output = args.share_all_embeddings or args.share_decoder_input_output_embed
         dropout, p_attn = args.dropout, args.attention_dropout
+        backends = args.fused_attention_backends  # torch's fused kernel: which backends
         pre_ln = normalize_before(args, "encoder")  # else post-LN, without a final LayerNorm
         d, h = args.encoder_embed_dim, args.encoder_attention_heads
         encoder = AnnotatedTransformerEncoder(
             src_dict,
             embed=_embedding_layer(args, src_tokens, "source"),
-            layers=[EncoderLayer(d, MultiHeadedAttention(h, d, p_attn),
+            layers=[EncoderLayer(d, MultiHeadedAttention(h, d, p_attn, backends=backends),
                                  _feed_forward(args, d, args.encoder_ffn_embed_dim),
                                  dropout, normalize_before=pre_ln)
                     for _ in range(args.encoder_layers)],
@@ -304,9 +305,10 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         decoder = AnnotatedTransformerDecoder(
             tgt_dict,
             embed=_embedding_layer(args, tgt_tokens, "target"),
-            layers=[DecoderLayer(d, MultiHeadedAttention(h, d, p_attn),
+            layers=[DecoderLayer(d, MultiHeadedAttention(h, d, p_attn, backends=backends),
                                  MultiHeadedAttention(h, d, p_attn, self_attention=False,
-                                                      d_memory=args.encoder_embed_dim),
+                                                      d_memory=args.encoder_embed_dim,
+                                                      backends=backends),
                                  _feed_forward(args, d, args.decoder_ffn_embed_dim),
                                  dropout, normalize_before=pre_ln)
                     for _ in range(args.decoder_layers)],

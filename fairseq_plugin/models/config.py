@@ -13,6 +13,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import OmegaConf
 
 from ..errors import PluginError, spelling_hint
+from ..modules.attention import NO_CUDNN, TORCH_CHOICE
 from ..modules.dropout import is_drop_probability
 
 DEFAULT_MAX_POSITIONS = 1024
@@ -68,6 +69,11 @@ class AnnotatedTransformerConfig(FairseqDataclass):
     no_scale_embedding: bool = _option(False, "do not multiply embeddings by sqrt(d_model)")
     max_source_positions: int = _option(DEFAULT_MAX_POSITIONS, "longest source, in tokens")
     max_target_positions: int = _option(DEFAULT_MAX_POSITIONS, "longest target, in tokens")
+    fused_attention_backends: ChoiceEnum([TORCH_CHOICE, NO_CUDNN]) = _option(
+        TORCH_CHOICE, "where the fused attention kernel may run: on the backend torch chooses, "
+                      "or on any but cuDNN (no-cudnn), which builds a plan for each new shape of "
+                      "its inputs (the same attention, other kernels; at generation: "
+                      "--model-overrides \"{'fused_attention_backends': 'no-cudnn'}\")")
 
 
 class _UnsupportedFlag(argparse.Action):

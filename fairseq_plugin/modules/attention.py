@@ -38,6 +38,15 @@ _SDPA_ZEROES_EMPTY_ROWS_ON_CPU = TORCH_RELEASE >= (2, 5)
 
 FUSED, EXPLICIT = "fused", "explicit"
 
+# The backends of torch's fused attention that the FUSED kernel may run on
+# (--fused-attention-backends): torch's own choice, or all but cuDNN. torch may choose cuDNN on
+# recent GPUs (it did on an H200), and cuDNN builds an execution plan for every new shape of the
+# inputs, tens of milliseconds each (pytorch#155958, flashinfer-ai/flashinfer#5245); a decoding
+# step's keys are one longer at every step, and each training batch has its own shape (README,
+# "On a GPU").
+TORCH_CHOICE, NO_CUDNN = "torch", "no-cudnn"
+_TORCH_HAS_CUDNN_ATTENTION = hasattr(torch.backends.cuda, "enable_cudnn_sdp")  # else none
+
 # fairseq's incremental_state: one dict for the whole decoder; this plugin's entries are caches
 IncrementalState = Dict[str, Any]
 
@@ -84,10 +93,11 @@ def choose_kernel(need_weights: bool, forced: Optional[str] = None) -> str:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
-           dropout: Dropout, kernel: str) -> Tuple[Tensor, Optional[Tensor]]:
+           dropout: Dropout, kernel: str, backends: str = TORCH_CHOICE
+           ) -> Tuple[Tensor, Optional[Tensor]]:
     """Attention(Q, K, V) with the chosen kernel: (B, h, T, d_k) and the weights (B, h, T, S) for
     the explicit kernel. ``causal``: the T queries are the last T of the S positions, and each
-    sees the keys up to its own."""
+    sees the keys up to its own. ``backends``: those the fused kernel may run on."""
     square = q.size(-2) == k.size(-2)  # the fused kernel's is_causal assumes T = S
     if causal and (mask is not None or kernel == EXPLICIT or not square):
         causal_part = causal_mask(q.size(-2), k.size(-2), q.device)
@@ -98,9 +108,25 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool
     if mask is not None and mask.dtype == torch.bool and not fused_kernel_zeroes_empty_rows(q):
         empty = ~mask.any(-1, keepdim=True)  # queries with no key to attend to
         mask = mask | empty
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                         dropout_p=dropout.p if dropout.active else 0.0)
+    with fused_backends(backends):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             dropout_p=dropout.p if dropout.active else 0.0)
     return (out if empty is None else out.masked_fill(empty, 0.0)), None
+
+
+@contextlib.contextmanager
+def fused_backends(backends: str):
+    """Inside: torch's fused attention runs on ``backends`` (NO_CUDNN: cuDNN's switched off, the
+    user's choice of the others kept); the process's settings are restored on the way out."""
+    if backends == TORCH_CHOICE or not _TORCH_HAS_CUDNN_ATTENTION:
+        yield
+        return
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(enabled)
 
 
 def fused_kernel_zeroes_empty_rows(q: Tensor) -> bool:
@@ -145,10 +171,12 @@ class MultiHeadedAttention(nn.Module):
     """
 
     def __init__(self, heads: int, d_model: int, dropout: float = 0.0, self_attention: bool = True,
-                 d_memory: Optional[int] = None):
+                 d_memory: Optional[int] = None, backends: str = TORCH_CHOICE):
         super().__init__()
         if heads <= 0 or d_model % heads:
             raise ValueError(f"d_model {d_model} is not a multiple of h = {heads}")
+        if backends not in (TORCH_CHOICE, NO_CUDNN):
+            raise ValueError(f"backends {backends!r}: {TORCH_CHOICE!r} or {NO_CUDNN!r}")
         self.h = heads
         self.d_k = d_model // heads
         self.self_attention = self_attention
@@ -163,6 +191,7 @@ class MultiHeadedAttention(nn.Module):
         self.dropout = Dropout(dropout, type(self).__name__, cpu_mask=False)
         # FUSED or EXPLICIT forces the kernel (tests, the benchmark); weights need EXPLICIT
         self.kernel: Optional[str] = None
+        self.backends = backends  # TORCH_CHOICE or NO_CUDNN: where the fused kernel may run
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -194,7 +223,8 @@ class MultiHeadedAttention(nn.Module):
         # 2) attend: softmax(Q K^T / sqrt(d_k)) V, fused or written out (the queries of a group's
         #    g rows side by side: (B / g, h, g * T, d_k), when the cache shares its keys)
         kernel = choose_kernel(need_weights, self.kernel)
-        out, weights = attend(group_queries(q, group), k, v, mask, causal, self.dropout, kernel)
+        out, weights = attend(group_queries(q, group), k, v, mask, causal, self.dropout, kernel,
+                              self.backends)
         # 3) "concatenated and once again projected": (B, h, T, d_k) -> (B, T, d_model) -> W^O
         #    (packed in training: the real rows (N, d_model) only)
         out = concat_heads(out, group)
