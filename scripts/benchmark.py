@@ -35,6 +35,11 @@ sources, alternated, split into the time inside the model's per-step calls (deco
 reorders) and the rest (encoder, fairseq's SequenceGenerator), then prints torch.profiler's
 operators of one decoding of each: where a GPU's beam search spends its time.
 
+--also-no-cudnn adds a third contestant to every round: annotated_transformer trained (and so
+decoding) with --fused-attention-backends no-cudnn, its fused attention kept off torch's cuDNN
+backend. Stopped by SIGTERM (e.g. timeout's) during the rounds, the benchmark stops fairseq's
+running command, prints the tables of the rounds complete so far and ends in an error line.
+
 --device cuda runs fairseq on the GPU in --precision fp16 (default there) or fp32 (fairseq 0.12
 cannot train in bf16 on a GPU: its --bf16 also switches on --tpu), and
 reads peak memory from torch.cuda.max_memory_allocated (resident memory on the CPU); GPU steps
@@ -47,7 +52,9 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -65,6 +72,7 @@ PRESETS = {  # layers, d_model, d_ff, heads
 }
 OURS, THEIRS, BEFORE = "annotated_transformer", "transformer", "annotated_transformer@before"
 NO_PACKING = "annotated_transformer without packing"  # computing padding, as fairseq's does
+OURS_NO_CUDNN = "annotated_transformer no-cudnn"  # --fused-attention-backends no-cudnn
 
 
 def zipf_corpus(path, n_sentences, vocab, rng, min_len=8, max_len=40, exponent=1.1):
@@ -200,6 +208,20 @@ class Device:
 CPU = Device()
 
 
+def folder_name(contestant: str) -> str:
+    """A contestant's name as a folder name: annotated_transformer, annotated_transformer-before,
+    annotated_transformer-no-cudnn, transformer."""
+    return re.sub(r"[^\w.-]+", "-", contestant)
+
+
+class Stopped(Exception):
+    """SIGTERM (e.g. from timeout) during the rounds: the tables give the complete rounds."""
+
+
+def raise_stopped(signum, frame):
+    raise Stopped()
+
+
 def alternated(contestants, i):
     """The order of round (or step) i: as given, reversed, as given, ... (A B C, C B A, ...)."""
     return contestants if i % 2 == 0 else contestants[::-1]
@@ -210,8 +232,13 @@ def run_measured(cmd, device=CPU):
     name = os.path.basename(str(cmd[0]))
     cmd = device.command([str(c) for c in cmd])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
+    try:
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:  # e.g. Stopped: the command does not outlive the benchmark
+        proc.kill()
+        proc.wait()
+        raise
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         sys.stderr.write(out[-3000:])
@@ -228,10 +255,13 @@ def training_flags(data_bin, arch, preset, max_tokens, user_dir, device=CPU):
             "--max-tokens", max_tokens, "--seed", "1", *device.flags(), "--num-workers", "0"]
 
 
-def train_run(data_bin, arch, preset, save_dir, updates, max_tokens, user_dir, device=CPU):
+def train_run(data_bin, arch, preset, save_dir, updates, max_tokens, user_dir, device=CPU,
+              model_flags=()):
+    """fairseq-train for ``updates`` updates (``model_flags``: more of the model's flags, which the
+    checkpoint keeps for generation): (target words/s, peak MB)."""
     out, rss = run_measured([
         fairseq_cli("fairseq-train"),
-        *training_flags(data_bin, arch, preset, max_tokens, user_dir, device),
+        *training_flags(data_bin, arch, preset, max_tokens, user_dir, device), *model_flags,
         # one checkpoint, at the end, without the optimizer's state (decoding needs no more)
         "--max-update", updates, "--save-dir", save_dir, "--no-epoch-checkpoints",
         "--save-interval", "1000000", "--no-save-optimizer-state", "--disable-validation", "--log-format", "json", "--log-interval", "5"], device)
@@ -649,6 +679,10 @@ def main(argv=None):
                    help="on a GPU, keep torch from choosing its cuDNN attention backend, for "
                         "both models (torch.backends.cuda.enable_cudnn_sdp(False) in every "
                         "process): it builds a cuDNN graph for each new shape of the inputs")
+    p.add_argument("--also-no-cudnn", action="store_true",
+                   help="also run annotated_transformer with --fused-attention-backends no-cudnn "
+                        "in every round (A B C, C B A, ...): its fused attention kept off torch's "
+                        "cuDNN backend, which a GPU may choose")
     p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if (args.profile_steps or args.without_packing) and args.steps_in_process is None:
@@ -729,42 +763,60 @@ def run(args, device, work):
             print(f"{NO_PACKING}: median {1000 * statistics.median(unpacked):.0f} ms; "
                   f"{step_ratio_line(NO_PACKING, unpacked, theirs)}")
         return
-    # contestants: (name, --arch, --user-dir); --before adds another checkout's plugin
-    contestants = [(OURS, OURS, plugin_dir()), (THEIRS, THEIRS, plugin_dir())]
+    # contestants: (name, --arch, --user-dir, more model flags); --before adds another checkout's
+    # plugin, --also-no-cudnn ours with --fused-attention-backends no-cudnn
+    contestants = [(OURS, OURS, plugin_dir(), []), (THEIRS, THEIRS, plugin_dir(), [])]
     if args.before:
-        contestants.append((BEFORE, OURS, os.path.abspath(args.before)))
+        contestants.append((BEFORE, OURS, os.path.abspath(args.before), []))
+    if args.also_no_cudnn:
+        contestants.append((OURS_NO_CUDNN, OURS, plugin_dir(),
+                            ["--fused-attention-backends", "no-cudnn"]))
     results = {name: {"train_wps": [], "train_mb": [], "gen_tps": [], "gen_mb": []}
-               for name, _, _ in contestants}
+               for name, _, _, _ in contestants}
     ct2_tps, ct2_mb = [], []
-    for r in range(args.rounds):
-        for name, arch, user_dir in alternated(contestants, r):
-            save = os.path.join(work, f"{name.replace('@', '-')}-round{r}")
-            wps, mb = train_run(data_bin, arch, args.preset, save, args.train_updates,
-                                args.max_tokens, user_dir, device)
-            tps, gen_mb = generate_run(gen_bin, os.path.join(save, "checkpoint_last.pt"),
-                                       args.gen_length, args.max_tokens, user_dir, n_decoded,
-                                       device)
-            res = results[name]
-            res["train_wps"].append(wps)
-            res["train_mb"].append(mb)
-            res["gen_tps"].append(tps)
-            res["gen_mb"].append(gen_mb)
-            print(f"  round {r + 1} {name:28s} train {wps:8.0f} wps {mb:6.0f} MB   "
-                  f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB", flush=True)
-            if name == OURS and not args.skip_ctranslate2:
-                ct2, per_hyp, mb = ctranslate2_run(
-                    gen_bin, os.path.join(save, "checkpoint_last.pt"), args.gen_length,
-                    args.max_tokens, save)
-                ct2_tps.append(ct2)
-                ct2_mb.append(mb)
-                print(f"  round {r + 1} {'(exported) CTranslate2':28s} beam-5 {ct2:7.1f} tok/s "
-                      f"{mb:6.0f} MB ({per_hyp:.0f} tokens per hypothesis, export included "
-                      "in MB)", flush=True)
+    complete = 0  # rounds
+    signal.signal(signal.SIGTERM, raise_stopped)
+    try:
+        for r in range(args.rounds):
+            for name, arch, user_dir, flags in alternated(contestants, r):
+                save = os.path.join(work, f"{folder_name(name)}-round{r}")
+                wps, mb = train_run(data_bin, arch, args.preset, save, args.train_updates,
+                                    args.max_tokens, user_dir, device, flags)
+                tps, gen_mb = generate_run(gen_bin, os.path.join(save, "checkpoint_last.pt"),
+                                           args.gen_length, args.max_tokens, user_dir, n_decoded,
+                                           device)
+                res = results[name]
+                res["train_wps"].append(wps)
+                res["train_mb"].append(mb)
+                res["gen_tps"].append(tps)
+                res["gen_mb"].append(gen_mb)
+                print(f"  round {r + 1} {name:30s} train {wps:8.0f} wps {mb:6.0f} MB   "
+                      f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB", flush=True)
+                if name == OURS and not args.skip_ctranslate2:
+                    ct2, per_hyp, mb = ctranslate2_run(
+                        gen_bin, os.path.join(save, "checkpoint_last.pt"), args.gen_length,
+                        args.max_tokens, save)
+                    ct2_tps.append(ct2)
+                    ct2_mb.append(mb)
+                    print(f"  round {r + 1} {'(exported) CTranslate2':30s} beam-5 {ct2:7.1f} "
+                          f"tok/s {mb:6.0f} MB ({per_hyp:.0f} tokens per hypothesis, export "
+                          "included in MB)", flush=True)
+            complete = r + 1
+    except Stopped:
+        print(f"\nbenchmark: stopped (SIGTERM) in round {complete + 1} of {args.rounds}; the "
+              f"tables give the {complete} complete rounds", flush=True)
+        if complete == 0:
+            raise SystemExit("benchmark: error: stopped before the first round was complete")
+        for figures in [*results.values(), {"ct2_tps": ct2_tps, "ct2_mb": ct2_mb}]:
+            for values in figures.values():
+                del values[complete:]
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     # each contestant against fairseq's transformer: the ratio of each round's runs, then their
     # median (the machine's speed drifts between rounds more than between the runs of a round)
     theirs = results[THEIRS]
-    print(f"\n| medians of {args.rounds} rounds | model | model | transformer | "
+    print(f"\n| medians of {complete} rounds | model | model | transformer | "
           "median of the per-round ratios | per-round ratios |")
     print("|---|---|---|---|---|---|")
     for key, label in (("train_wps", "training, target words/s"),
@@ -777,6 +829,9 @@ def run(args, device, work):
     if ct2_tps:
         print(ratio_row("generation beam 5, tokens/s", "annotated_transformer exported to "
                         "CTranslate2", ct2_tps, theirs["gen_tps"]))
+    if complete < args.rounds:
+        raise SystemExit(f"benchmark: stopped after {complete} of {args.rounds} rounds (SIGTERM); "
+                         "the table above gives those")
 
     if not args.skip_cache:
         lengths = args.cache_lengths

@@ -211,3 +211,59 @@ def test_without_cudnn_attention_every_gpu_process_switches_it_off_before_fairse
         "torch.backends.cuda.enable_cudnn_sdp(False);") < setup.index("runpy.run_path"))
     assert command[3:] == ["fairseq-generate", "x"]
     assert "enable_cudnn_sdp" not in bench.Device("cuda", "fp16").command(["x"])[2]
+
+
+def commands_naming(text):
+    """The running processes whose command line holds ``text`` (Linux's /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(pid)
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
+def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_no_cudnn_model(
+        tmp_path):
+    """--also-no-cudnn adds annotated_transformer trained (and so decoding) with
+    --fused-attention-backends no-cudnn to every round; SIGTERM (a timeout's) in the second
+    round prints the table of the first, stops fairseq's command and ends in one error line."""
+    import signal
+    import time
+
+    import torch
+
+    data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 50, "--test", 16)
+    proc = subprocess.Popen(
+        [sys.executable, BENCHMARK, *TINY, "--data-bin", str(data_bin), "--rounds", "2",
+         "--train-updates", "10", "--gen-length", "8", "--skip-ctranslate2", "--skip-cache",
+         "--also-no-cudnn", "--work-dir", str(tmp_path / "work")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:  # the benchmark flushes each round's line
+        lines.append(line)
+        if line.startswith("  round 2 "):  # round 2's first run done: stop in its second
+            time.sleep(2)  # inside the next fairseq command
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = "".join(lines) + proc.stdout.read()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 1
+    assert not commands_naming(str(tmp_path / "work"))  # fairseq's command was stopped too
+    assert err.splitlines()[-1] == ("benchmark: stopped after 1 of 2 rounds (SIGTERM); the table "
+                                    "above gives those"), err[-2000:]
+    assert "benchmark: stopped (SIGTERM) in round 2 of 2; the tables give the 1 complete rounds" \
+        in out
+    assert "| medians of 1 rounds |" in out
+    rows = [[c.strip() for c in line.strip("| \n").split("|")] for line in out.splitlines()
+            if line.startswith("| training, target words/s |")]
+    assert [r[1] for r in rows] == ["annotated_transformer", "annotated_transformer no-cudnn"]
+    assert all(len(r[5].split()) == 1 for r in rows)  # one ratio: round 1's
+    saved = {name: torch.load(tmp_path / "work" / f"{name}-round0" / "checkpoint_last.pt",
+                              weights_only=False)["cfg"]["model"]
+             for name in ("annotated_transformer", "annotated_transformer-no-cudnn")}
+    assert saved["annotated_transformer"]["fused_attention_backends"] == "torch"
+    assert saved["annotated_transformer-no-cudnn"]["fused_attention_backends"] == "no-cudnn"
