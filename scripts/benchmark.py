@@ -381,6 +381,10 @@ def print_profile(title, ops, device=CPU, rows=25):
           f"{sum(t[2] for t in gemm) / 1e9:,.1f} GFLOP")
     for key, (seconds, calls, *_) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:rows]:
         print(f"  {seconds:8.3f} s {calls:7d} calls  {key}")
+    if on_gpu:  # small steps wait on the host: where its time goes (nested operators overlap)
+        print("  by the CPU's time, with what each calls:")
+        for key, (_, calls, _, _, host) in sorted(ops.items(), key=lambda kv: -kv[1][4])[:rows]:
+            print(f"  {host:8.3f} s {calls:7d} calls  {key}")
 
 
 def decoding_in_process(checkpoints, data_bin, length, n_sentences=100, rounds=3, device=CPU,

@@ -267,3 +267,20 @@ def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_n
              for name in ("annotated_transformer", "annotated_transformer-no-cudnn")}
     assert saved["annotated_transformer"]["fused_attention_backends"] == "torch"
     assert saved["annotated_transformer-no-cudnn"]["fused_attention_backends"] == "no-cudnn"
+
+
+def test_a_gpu_profile_also_lists_the_operators_by_host_time(capsys):
+    """On a GPU the profile's operators come by GPU time, then by the CPU's time with what each
+    calls (small decoding steps wait on the host); on the CPU once."""
+    bench = load_benchmark()
+    # operator: [own GPU s, calls, FLOPs, own CPU s, CPU s with what it calls]
+    ops = {"aten::addmm": [0.5, 10, 0, 0.01, 0.02], "aten::sdpa": [0.1, 4, 0, 0.01, 0.3],
+           "aten::copy_": [0.2, 7, 0, 0.05, 0.05]}
+    bench.print_profile("t", ops, bench.Device("cuda", "fp16"), rows=2)
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("  by the CPU's time, with what each calls:")
+    assert [line.split()[-1] for line in lines[start - 2:start]] == ["aten::addmm", "aten::copy_"]
+    assert lines[start + 1:] == ["     0.300 s       4 calls  aten::sdpa",
+                                 "     0.050 s       7 calls  aten::copy_"]
+    bench.print_profile("t", ops, bench.CPU, rows=2)
+    assert "by the CPU's time" not in capsys.readouterr().out
