@@ -40,11 +40,13 @@ decoding) with --fused-attention-backends no-cudnn, its fused attention kept off
 backend. Stopped by SIGTERM (e.g. timeout's) during the rounds, the benchmark stops fairseq's
 running command, prints the tables of the rounds complete so far and ends in an error line.
 
---device cuda runs fairseq on the GPU in --precision fp16 (default there) or fp32 (fairseq 0.12
-cannot train in bf16 on a GPU: its --bf16 also switches on --tpu), and
+--device cuda runs fairseq on the GPU in --precision fp16 (default there), bf16 or fp32, and
 reads peak memory from torch.cuda.max_memory_allocated (resident memory on the CPU); GPU steps
 are fast, so give it more --train-updates (e.g. 200) and a larger --max-tokens (e.g. 8192).
-Absolute numbers move +-10% between runs on shared machines: read the ratios.
+--precision bf16 (on either device) needs a hand with fairseq 0.12, for both models alike:
+its --bf16 also switches on --tpu, which the benchmark's fairseq processes switch back off, and
+fairseq-generate, which has no bf16, gets the checkpoint's models turned to bf16 as they load
+(scripts/fairseq_bf16.py). Absolute numbers move +-10% between runs on shared machines: read the ratios.
 """
 
 import argparse
@@ -168,16 +170,17 @@ def model_flags(preset):
 
 # fairseq's CLI run in a Python that first sets up cuBLAS (a matrix product: otherwise the first
 # one inside the CLI's timed work pays for it) and prints the CUDA allocator's peak when it exits
-CUDA_PEAK = ("import atexit, runpy, sys, torch; sys.argv = sys.argv[1:]; "
-             "x = torch.ones(64, 64, device='cuda', dtype=torch.half); x @ x; "
+CUDA_PEAK = ("x = torch.ones(64, 64, device='cuda', dtype=torch.half); x @ x; "
              "torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); "
              "atexit.register(lambda: print('cuda peak MB', "
-             "torch.cuda.max_memory_allocated() / 2 ** 20, flush=True)); "
-             "runpy.run_path(sys.argv[0], run_name='__main__')")
-
+             "torch.cuda.max_memory_allocated() / 2 ** 20, flush=True)); ")
 
 # torch's cuDNN attention backend switched off in a process, for both models alike
 NO_CUDNN_ATTENTION = "torch.backends.cuda.enable_cudnn_sdp(False); "
+
+# fairseq's CLIs in bf16 (scripts/fairseq_bf16.py), for both models alike
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+IN_BF16 = f"sys.path.insert(0, {SCRIPTS!r}); import fairseq_bf16; fairseq_bf16.switch_on(); "
 
 
 class Device:
@@ -193,11 +196,15 @@ class Device:
             [] if self.precision == "fp32" else [f"--{self.precision}"])
 
     def command(self, cmd):
-        if self.kind == "cpu":
+        """fairseq's command ``cmd`` as run here: on a GPU, or in bf16, in a Python that sets up
+        the process first (CUDA_PEAK, NO_CUDNN_ATTENTION, IN_BF16)."""
+        setup = ((CUDA_PEAK if self.kind == "cuda" else "")
+                 + ("" if self.cudnn_attention else NO_CUDNN_ATTENTION)
+                 + (IN_BF16 if self.precision == "bf16" else ""))
+        if not setup:
             return cmd
-        imports, rest = CUDA_PEAK.split("; ", 1)
-        setup = "" if self.cudnn_attention else NO_CUDNN_ATTENTION
-        return [sys.executable, "-c", f"{imports}; {setup}{rest}", *cmd]
+        return [sys.executable, "-c", "import atexit, runpy, sys, torch; sys.argv = sys.argv[1:]; "
+                f"{setup}runpy.run_path(sys.argv[0], run_name='__main__')", *cmd]
 
     def peak_mb(self, out: str, rss_mb: float) -> float:
         if self.kind == "cpu":
@@ -459,6 +466,8 @@ def generate_run(data_bin, checkpoint, length, max_tokens, user_dir, sentences, 
         "--path", checkpoint, "--beam", "5", "--min-len", length, "--max-len-a", "0",
         "--max-len-b", length, "--max-tokens", max_tokens, "--required-batch-size-multiple", "1",
         *device.flags()], device)
+    if device.precision == "bf16" and "fairseq_bf16: the models in torch.bfloat16" not in out:
+        raise SystemExit("benchmark: error: fairseq-generate did not decode in bf16")
     for line in out.splitlines():
         if "Translated" in line and "tokens/s" in line:
             translated = int(line.split("Translated ")[1].split(" sentences")[0].replace(",", ""))
@@ -515,7 +524,7 @@ def decoding_model(checkpoint, data_bin, device=CPU, attention_weights=True):
 
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
         [checkpoint], arg_overrides={"data": data_bin})
-    dtype = {"fp32": torch.float32, "fp16": torch.float16}  # (bf16 is refused: main)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     model = models[0].eval().to(device=device.kind, dtype=dtype[device.precision])
     model.make_generation_fast_()
     model.decoder.need_attn = attention_weights
@@ -660,8 +669,9 @@ def main(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: fairseq on the GPU, peak memory = torch.cuda.max_memory_allocated")
     p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=None,
-                   help="fairseq's --fp16, or fp32 (default: fp32 on cpu, fp16 on cuda); bf16 is "
-                        "refused: fairseq 0.12 trains in bf16 on TPUs only")
+                   help="fairseq's --fp16 or --bf16, or fp32 (default: fp32 on cpu, fp16 on "
+                        "cuda); bf16 with fairseq's --tpu switched back off, and fairseq-generate's "
+                        "models turned to bf16 as they load (scripts/fairseq_bf16.py)")
     p.add_argument("--before", metavar="PLUGIN_DIR",
                    help="also run the annotated_transformer of another checkout, e.g. "
                         "../old/fairseq_plugin (git worktree add ../old COMMIT), in the same "
@@ -699,10 +709,6 @@ def main(argv=None):
 
     import torch
 
-    if args.precision == "bf16":
-        p.error("--precision bf16: fairseq 0.12's --bf16 also switches on --tpu (fairseq-train "
-                "then looks for a TPU) and fairseq-generate has no bf16; on a GPU use --precision "
-                "fp16 (or fp32)")
     if args.no_cudnn_attention and args.device == "cpu":
         p.error("--no-cudnn-attention: the cuDNN attention backend exists on a GPU only; add "
                 "--device cuda")
@@ -710,6 +716,10 @@ def main(argv=None):
                     cudnn_attention=not args.no_cudnn_attention)
     if not device.cudnn_attention:  # in this process too (in-process steps and decoding)
         torch.backends.cuda.enable_cudnn_sdp(False)
+    if device.precision == "bf16":  # (in-process steps parse fairseq-train's flags here)
+        sys.path.insert(0, SCRIPTS)
+        import fairseq_bf16
+        fairseq_bf16.switch_on()
     if device.kind == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
     if device.kind == "cuda" and not args.skip_ctranslate2 and args.steps_in_process is None:

@@ -114,15 +114,26 @@ def test_step_options_without_steps_in_process_are_one_error_line():
                                             "--without-packing go with --steps-in-process N")
 
 
-def test_bf16_which_fairseq_012_runs_on_tpus_only_is_one_error_line(tmp_path):
-    proc = subprocess.run([sys.executable, BENCHMARK, "--precision", "bf16", "--work-dir",
-                           str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1] == (
-        "benchmark.py: error: --precision bf16: fairseq 0.12's --bf16 also switches on --tpu "
-        "(fairseq-train then looks for a TPU) and fairseq-generate has no bf16; on a GPU use "
-        "--precision fp16 (or fp32)")
-    assert os.listdir(tmp_path) == []
+@pytest.mark.skipif(FAIRSEQ_BREAKS_POST_LN, reason="fairseq 0.12.2's own transformer (post-LN) "
+                    "cannot decode padded batches (fairseq #4858): the benchmark's generation "
+                    "needs fairseq-fixed")
+def test_bf16_trains_and_decodes_in_bf16_though_fairseq_012_ties_its_flag_to_tpus(tmp_path):
+    """fairseq 0.12's --bf16 also switches on --tpu, and fairseq-generate has no bf16: the
+    benchmark's fairseq processes train with --tpu switched back off (the checkpoint's options:
+    bf16, not tpu; fairseq's trainer then makes the model bf16) and decode the checkpoint turned
+    to bf16 (which the benchmark checks in fairseq-generate's output)."""
+    import torch
+
+    data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 50, "--test", 16)
+    out = benchmark("--data-bin", str(data_bin), "--precision", "bf16", "--rounds", "1",
+                    "--train-updates", "10", "--gen-length", "8", "--skip-cache",
+                    "--skip-ctranslate2", work=tmp_path / "work")
+    assert ", cpu bf16, data " in out
+    assert "| generation beam 5, tokens/s | annotated_transformer |" in out
+    for name in ("annotated_transformer", "transformer"):
+        saved = torch.load(tmp_path / "work" / f"{name}-round0" / "checkpoint_last.pt",
+                           weights_only=False)
+        assert (saved["cfg"]["common"]["bf16"], saved["cfg"]["common"]["tpu"]) == (True, False)
 
 
 def test_a_work_dir_with_files_is_one_error_line_not_a_resumed_run(tmp_path):
@@ -226,6 +237,9 @@ def commands_naming(text):
     return found
 
 
+@pytest.mark.skipif(FAIRSEQ_BREAKS_POST_LN, reason="fairseq 0.12.2's own transformer (post-LN) "
+                    "cannot decode padded batches (fairseq #4858): the benchmark's generation "
+                    "needs fairseq-fixed")
 def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_no_cudnn_model(
         tmp_path):
     """--also-no-cudnn adds annotated_transformer trained (and so decoding) with
