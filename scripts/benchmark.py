@@ -37,7 +37,7 @@ operators of one decoding of each: where a GPU's beam search spends its time.
 
 --also-no-cudnn adds a third contestant to every round: annotated_transformer trained (and so
 decoding) with --fused-attention-backends no-cudnn, its fused attention kept off torch's cuDNN
-backend. Stopped by SIGTERM (e.g. timeout's) during the rounds, the benchmark stops fairseq's
+backend (also in --decoding-in-process). Stopped by SIGTERM (e.g. timeout's) during the rounds, the benchmark stops fairseq's
 running command, prints the tables of the rounds complete so far and ends in an error line.
 
 --device cuda runs fairseq on the GPU in --precision fp16 (default there), bf16 or fp32, and
@@ -46,7 +46,8 @@ are fast, so give it more --train-updates (e.g. 200) and a larger --max-tokens (
 --precision bf16 (on either device) needs a hand with fairseq 0.12, for both models alike:
 its --bf16 also switches on --tpu, which the benchmark's fairseq processes switch back off, and
 fairseq-generate, which has no bf16, gets the checkpoint's models turned to bf16 as they load
-(scripts/fairseq_bf16.py). Absolute numbers move +-10% between runs on shared machines: read the ratios.
+(scripts/fairseq_bf16.py). Absolute numbers move +-10% between runs on shared machines: read
+the ratios.
 """
 
 import argparse
@@ -874,16 +875,18 @@ def run(args, device, work):
             print(f"| {label} | {' | '.join(f'{ops[c][key]:.1f}' for c in columns)} |")
 
     if args.decoding_in_process:
-        checkpoints = {name: os.path.join(work, f"{name}-round0", "checkpoint_last.pt")
-                       for name in (OURS, THEIRS)}
+        names = (OURS, THEIRS) + ((OURS_NO_CUDNN,) if args.also_no_cudnn else ())
+        checkpoints = {name: os.path.join(work, f"{folder_name(name)}-round0",
+                                          "checkpoint_last.pt") for name in names}
         spent = decoding_in_process(checkpoints, data_bin, args.gen_length, device=device)
         print(f"\n| beam 5 in this process, 100 sentences x {args.gen_length} tokens, "
               f"{device.kind}, medians of 3 alternated | decoding, s | in the model's per-step "
               "calls, s | the rest (encoder, SequenceGenerator), s |\n|---|---|---|---|")
         for name, (whole, in_model) in spent.items():
             print(f"| {name} | {whole:.3f} | {in_model:.3f} | {whole - in_model:.3f} |")
-        print(f"{THEIRS} / {OURS}: {spent[THEIRS][0] / spent[OURS][0]:.2f}x in decoding, "
-              f"{spent[THEIRS][1] / spent[OURS][1]:.2f}x in the model's calls")
+        for name in names[:1] + names[2:]:
+            print(f"{THEIRS} / {name}: {spent[THEIRS][0] / spent[name][0]:.2f}x in decoding, "
+                  f"{spent[THEIRS][1] / spent[name][1]:.2f}x in the model's calls")
 
 
 if __name__ == "__main__":

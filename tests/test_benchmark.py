@@ -39,7 +39,7 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
     data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 50, "--test", 40)
     out = benchmark("--data-bin", str(data_bin), "--rounds", "1", "--train-updates", "10",
                     "--gen-length", "8", "--cache-lengths", "4", "--skip-ctranslate2",
-                    "--decoding-in-process", work=tmp_path / "work")
+                    "--decoding-in-process", "--also-no-cudnn", work=tmp_path / "work")
     assert re.search(r"training batches: [\d.]+% source and [\d.]+% target positions are padding",
                      out)
     assert "decoding the first 16 of 40 test sentences" in out
@@ -51,6 +51,7 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
                               [float(r) for r in cells[5].split()])
     assert sorted(rows) == sorted(["training, target words/s", "generation beam 5, tokens/s",
                                    "training peak memory, MB", "generation peak memory, MB"])
+    assert len(re.findall(r"\n\| [^|]+ \| annotated_transformer no-cudnn \| [\d.]+ \|", out)) == 4
     for ours, theirs, ratio, per_round in rows.values():
         assert ours > 0 and theirs > 0 and len(per_round) == 1
         # one round: the median of the ratios is that round's ratio of the figures beside it
@@ -70,14 +71,21 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
     # beam 5 in this process: seconds in all and in the model's per-step calls, and the rest
     spent = {cells[0]: [float(c) for c in cells[1:]] for cells in (
         [c.strip() for c in line.strip("| \n").split("|")] for line in out.splitlines()
-        if re.match(r"\| (annotated_transformer|transformer) \| [\d.]+ \|", line))}
-    assert sorted(spent) == ["annotated_transformer", "transformer"], out[-2000:]
+        if re.match(r"\| (annotated_transformer( no-cudnn)?|transformer) \| [\d.]+ \|", line))}
+    assert sorted(spent) == ["annotated_transformer", "annotated_transformer no-cudnn",
+                             "transformer"], out[-2000:]
+    for name in ("annotated_transformer", "annotated_transformer no-cudnn"):
+        assert re.search(rf"\ntransformer / {name}: [\d.]+x in decoding, [\d.]+x in the "
+                         r"model's calls\n", out), name
     for whole, in_model, rest in spent.values():
         assert 0 < in_model < whole and abs(whole - in_model - rest) <= 0.0015
-    profiled = re.findall(r"\n(annotated_transformer|transformer), beam 5, 100 sentences x 8 "
+    profiled = re.findall(r"\n(annotated_transformer(?: no-cudnn)?|transformer), beam 5, 100 "
+                          r"sentences x 8 "
                           r"tokens, profiled: [\d.]+ s of CPU time.*\n(?:  .*\n)+  \(CPU time "
                           r"in the model's calls: forward ([\d.]+) s", out)
-    assert sorted(name for name, _ in profiled) == ["annotated_transformer", "transformer"]
+    assert sorted(name for name, _ in profiled) == ["annotated_transformer",
+                                                    "annotated_transformer no-cudnn",
+                                                    "transformer"]
     assert all(float(seconds) > 0 for _, seconds in profiled)
 
 
