@@ -647,9 +647,9 @@ def count_kernels():
 
     counts, attend = {FUSED: 0, EXPLICIT: 0}, attention.attend
 
-    def counted(q, k, v, mask, causal, dropout, kernel):
+    def counted(q, k, v, mask, causal, dropout, kernel, *backends):
         counts[kernel] += 1
-        return attend(q, k, v, mask, causal, dropout, kernel)
+        return attend(q, k, v, mask, causal, dropout, kernel, *backends)
 
     attention.attend = counted
     try:
