@@ -662,6 +662,24 @@ def test_packed_training_runs_the_layers_own_forward():
         assert [w.shape for w in calls] == [(4, 4, T, S)], name
 
 
+def test_unpacking_keeps_only_the_positions_for_backward_not_a_copy_of_the_rows():
+    """Unpacking a projection (N, C) to (B, L, C) for attention keeps nothing of it for backward
+    but the positions: attention keeps the unpacked tensor, and a second, packed copy per layer
+    would cost memory (torch's index_copy keeps its whole source)."""
+    from fairseq_plugin.modules.packing import RealPositions
+
+    real = torch.tensor([[True, True, False], [True, False, False]])
+    packing = RealPositions(real)
+    x = torch.randn(3, 5, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = packing.unpack(x)
+    assert [t.dtype for t in saved] == [torch.int64]  # the positions
+    assert torch.equal(out[real], x) and not out[~real].any()
+    (out * torch.arange(30.0).view(2, 3, 5)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(30.0).view(6, 5)[real.reshape(-1)])
+
+
 def test_a_checkpoint_from_before_the_redesign_translates_identically():
     """tests/data/pre_redesign: a fairseq-train checkpoint (encoder width 32, decoder 24) and its
     outputs, written by the code before the readable-core redesign (commit ff85fd8)."""

@@ -35,8 +35,9 @@ class RealPositions:
         return x.reshape(-1, *x.shape[2:]).index_select(0, self.index)
 
     def unpack(self, x: Tensor) -> Tensor:
-        """(N, ...) -> (B, L, ...), zeros at padding."""
-        out = x.new_zeros(self.shape.numel(), *x.shape[1:]).index_copy(0, self.index, x)
+        """(N, ...) -> (B, L, ...), zeros at padding. (index_put keeps only the positions for its
+        backward; index_copy would keep all of x, a second copy of every unpacked projection.)"""
+        out = x.new_zeros(self.shape.numel(), *x.shape[1:]).index_put((self.index,), x)
         return out.view(*self.shape, *x.shape[1:])
 
 
