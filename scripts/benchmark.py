@@ -331,7 +331,36 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
             seconds[name].append(time.perf_counter() - start)
     if profile_steps:
         print_profiles(trainers, samples[3:3 + profile_steps], device)
+    # the timed batch with the most target padding: where packing is on, if anywhere
+    padding = [float(s["target"].eq(trainers[OURS].task.target_dictionary.pad()).float().mean())
+               for s in samples[3:]]
+    most = max(range(len(padding)), key=padding.__getitem__)
+    kept = {name: kept_for_backward_mib(trainer, samples[3 + most])
+            for name, trainer in trainers.items()}
+    print(f"\nkept for backward by one training forward of the timed batch with the most target "
+          f"padding ({padding[most]:.1%}; distinct storages, parameters excluded): " + ", ".join(
+              f"{name} {mib:.1f} MiB" for name, mib in kept.items())
+          + f"; {OURS} / {THEIRS}: {kept[OURS] / kept[THEIRS]:.2f}x")
     return seconds
+
+
+def kept_for_backward_mib(trainer, sample) -> float:
+    """MiB of activations that autograd keeps for the backward of one training forward (model
+    and criterion) of ``sample``: most of what training holds at its peak beyond the parameters
+    and the optimizer's state."""
+    import torch
+
+    sample = trainer._prepare_sample(sample)[0]
+    storages = {}
+
+    def keep(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        trainer.criterion(trainer.model, sample)
+    parameters = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    return sum(n for ptr, n in storages.items() if ptr not in parameters) / 2 ** 20
 
 
 def step_ratio_line(name, ours, theirs):

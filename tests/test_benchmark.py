@@ -112,6 +112,17 @@ def test_steps_in_process_time_the_models_and_profile_their_matrix_products(tmp_
     # the same batch: computing the padding (about a fifth of the target positions here) costs
     # matrix products that packing saves
     assert 0 < gflop["annotated_transformer"] < gflop["annotated_transformer without packing"]
+    # and the activations kept for backward, with the ratio of the figures beside it
+    kept = re.search(r"\nkept for backward by one training forward of the timed batch with "
+                     r"the most target padding \([\d.]+%; distinct storages, parameters "
+                     r"excluded\): annotated_transformer "
+                     r"([\d.]+) MiB, transformer ([\d.]+) MiB, annotated_transformer without "
+                     r"packing ([\d.]+) MiB; annotated_transformer / transformer: ([\d.]+)x\n",
+                     out)
+    assert kept, out[-2000:]
+    ours, theirs, unpacked, ratio = map(float, kept.groups())
+    assert ours > 0 and theirs > 0 and unpacked > 0
+    assert abs(ratio - ours / theirs) <= 0.006
 
 
 def test_step_options_without_steps_in_process_are_one_error_line():
