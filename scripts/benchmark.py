@@ -37,8 +37,9 @@ operators of one decoding of each: where a GPU's beam search spends its time.
 
 --also-no-cudnn adds a third contestant to every round: annotated_transformer trained (and so
 decoding) with --fused-attention-backends no-cudnn, its fused attention kept off torch's cuDNN
-backend (also in --decoding-in-process). Stopped by SIGTERM (e.g. timeout's) during the rounds, the benchmark stops fairseq's
-running command, prints the tables of the rounds complete so far and ends in an error line.
+backend (also in --decoding-in-process). Stopped by SIGTERM (e.g. timeout's) during the rounds,
+the benchmark stops fairseq's running command, prints the tables of the rounds complete so far
+and ends in an error line.
 
 --device cuda runs fairseq on the GPU in --precision fp16 (default there), bf16 or fp32, and
 reads peak memory from torch.cuda.max_memory_allocated (resident memory on the CPU); GPU steps
@@ -182,6 +183,7 @@ NO_CUDNN_ATTENTION = "torch.backends.cuda.enable_cudnn_sdp(False); "
 # fairseq's CLIs in bf16 (scripts/fairseq_bf16.py), for both models alike
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 IN_BF16 = f"sys.path.insert(0, {SCRIPTS!r}); import fairseq_bf16; fairseq_bf16.switch_on(); "
+BF16_MODELS = "fairseq_bf16: the models in torch.bfloat16"  # what fairseq_bf16 prints
 
 
 class Device:
@@ -496,7 +498,7 @@ def generate_run(data_bin, checkpoint, length, max_tokens, user_dir, sentences, 
         "--path", checkpoint, "--beam", "5", "--min-len", length, "--max-len-a", "0",
         "--max-len-b", length, "--max-tokens", max_tokens, "--required-batch-size-multiple", "1",
         *device.flags()], device)
-    if device.precision == "bf16" and "fairseq_bf16: the models in torch.bfloat16" not in out:
+    if device.precision == "bf16" and BF16_MODELS not in out:
         raise SystemExit("benchmark: error: fairseq-generate did not decode in bf16")
     for line in out.splitlines():
         if "Translated" in line and "tokens/s" in line:
