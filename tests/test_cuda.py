@@ -105,9 +105,9 @@ def test_beam_search_is_the_same_with_and_without_the_cache_on_cuda():
         assert [h["tokens"].tolist() for h in a] == [h["tokens"].tolist() for h in b]
 
 
-def fused_attention_operators(run) -> set:
-    """The fused-attention operators of torch that ``run()`` calls (torch.profiler's names, e.g.
-    aten::_scaled_dot_product_cudnn_attention), and its result."""
+def fused_attention_operators(run):
+    """The set of torch's fused-attention operators that ``run()`` calls (torch.profiler's names,
+    e.g. aten::_scaled_dot_product_cudnn_attention), and what ``run()`` returns."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
