@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import FAIRSEQ_BREAKS_POST_LN, REPO, reverse_data_bin
 
@@ -317,3 +318,57 @@ def test_a_gpu_profile_also_lists_the_operators_by_host_time(capsys):
                                  "     0.050 s       7 calls  aten::copy_"]
     bench.print_profile("t", ops, bench.CPU, rows=2)
     assert "by the CPU's time" not in capsys.readouterr().out
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_attention_new_shapes_times_each_backend_choice_at_shapes_none_other_used(monkeypatch,
+                                                                                   capsys):
+    """scripts/attention_new_shapes.py: each choice of --fused-attention-backends gets its own
+    new shapes (the cost of a new shape is a first call's), and no-cudnn's calls run with
+    torch's cuDNN attention switched off."""
+    script = load_script("attention_new_shapes")
+    sdpa, attend, calls = torch.nn.functional.scaled_dot_product_attention, script.attend, []
+    cudnn_switch = getattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: None)
+
+    def recorded_attend(q, k, v, mask, causal, dropout, kernel, backends):
+        calls.append([k.size(2), backends])
+        return attend(q, k, v, mask, causal, dropout, kernel, backends)
+
+    def recorded_sdpa(*args, **kwargs):
+        calls[-1].append(cudnn_switch())  # the switch inside the call
+        return sdpa(*args, **kwargs)
+    monkeypatch.setattr(script, "attend", recorded_attend)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded_sdpa)
+    script.main(["--shapes", "3", "--max-tokens", "256"])
+    out = capsys.readouterr().out
+    tables = re.findall(r"\n(decoding steps|training batches)[^\n]*\n\|[^\n]*\n\|---[^\n]*\n"
+                        r"((?:\|[^\n]*\n?)+)", out)
+    assert [title for title, _ in tables] == ["decoding steps", "training batches"], out
+    for _, rows in tables:
+        cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows.splitlines()]
+        assert [c[0] for c in cells] == ["torch", "no-cudnn"]
+        for backends, operator, first, again, cost, shapes in cells:
+            assert operator.startswith("aten::") and shapes == "3"
+            assert float(first) > 0 and float(again) > 0
+            assert abs(float(first) - float(again) - float(cost)) <= 0.0015
+    # the calls: 4 warm-ups (at shapes of their own), then each table's: per choice and shape
+    # 1 + 3 timed, then 1 profiled per choice (at its own last shape); keys (rows, h, S, d_k)
+    assert len(calls) == 4 + 2 * (2 * 3 * (1 + 3) + 2)
+    tables = calls[4:30], calls[30:]
+    for table in tables:
+        measured, profiled = [tuple(c[:2]) for c in table[:-2]], [tuple(c[:2]) for c in table[-2:]]
+        firsts = measured[::4]
+        assert [b for _, b in firsts] == ["torch", "no-cudnn", "no-cudnn", "torch", "torch",
+                                          "no-cudnn"]
+        assert len({S for S, _ in firsts}) == 6  # a new shape each time
+        assert all(call == firsts[i // 4] for i, call in enumerate(measured))
+        assert profiled == [[f for f in firsts if f[1] == b][-1] for b in ("torch", "no-cudnn")]
+    if cudnn_switch() is not None:  # torch >= 2.2: no-cudnn's calls ran with cuDNN off
+        assert {(backends, cudnn) for _, backends, cudnn in calls} == {("torch", True),
+                                                                       ("no-cudnn", False)}
