@@ -15,11 +15,16 @@ from conftest import FAIRSEQ_BREAKS_POST_LN, REPO, reverse_data_bin
 BENCHMARK = os.path.join(REPO, "scripts", "benchmark.py")
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark", BENCHMARK)
+def load_script(name):
+    """scripts/NAME.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_benchmark():
+    return load_script("benchmark")
 TINY = ["--data", "synthetic", "--train-sentences", "400", "--test-sentences", "16",
         "--preset", "tiny", "--max-tokens", "1024"]
 
@@ -318,13 +323,6 @@ def test_a_gpu_profile_also_lists_the_operators_by_host_time(capsys):
                                  "     0.050 s       7 calls  aten::copy_"]
     bench.print_profile("t", ops, bench.CPU, rows=2)
     assert "by the CPU's time" not in capsys.readouterr().out
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_attention_new_shapes_times_each_backend_choice_at_shapes_none_other_used(monkeypatch,
