@@ -826,18 +826,22 @@ def run(args, device, work):
         for r in range(args.rounds):
             for name, arch, user_dir, flags in alternated(contestants, r):
                 save = os.path.join(work, f"{folder_name(name)}-round{r}")
+                started = time.perf_counter()
                 wps, mb = train_run(data_bin, arch, args.preset, save, args.train_updates,
                                     args.max_tokens, user_dir, device, flags)
+                trained = time.perf_counter()
                 tps, gen_mb = generate_run(gen_bin, os.path.join(save, "checkpoint_last.pt"),
                                            args.gen_length, args.max_tokens, user_dir, n_decoded,
                                            device)
+                walls = trained - started, time.perf_counter() - trained  # the commands' own
                 res = results[name]
                 res["train_wps"].append(wps)
                 res["train_mb"].append(mb)
                 res["gen_tps"].append(tps)
                 res["gen_mb"].append(gen_mb)
                 print(f"  round {r + 1} {name:30s} train {wps:8.0f} wps {mb:6.0f} MB   "
-                      f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB", flush=True)
+                      f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB   (the commands took "
+                      f"{walls[0]:.0f} s and {walls[1]:.0f} s)", flush=True)
                 if name == OURS and not args.skip_ctranslate2:
                     ct2, per_hyp, mb = ctranslate2_run(
                         gen_bin, os.path.join(save, "checkpoint_last.pt"), args.gen_length,

@@ -49,6 +49,9 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
     assert re.search(r"training batches: [\d.]+% source and [\d.]+% target positions are padding",
                      out)
     assert "decoding the first 16 of 40 test sentences" in out
+    # each run's line, with its commands' times (what a GPU session's plan is sized by)
+    assert len(re.findall(r"(?m)^  round 1 (?:annotated_transformer(?: no-cudnn)?|transformer) "
+                          r"+train .* MB   \(the commands took \d+ s and \d+ s\)$", out)) == 3, out
     rows = {}
     for line in out.splitlines():  # | label | model | ours | theirs | ratio | per-round ratios |
         cells = [c.strip() for c in line.strip("|").split("|")]
