@@ -125,8 +125,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA GPU here; run with --device cpu")
-    if args.shapes < 1:
-        p.error(f"--shapes {args.shapes}: give at least 1")
+    for flag, value in (("--shapes", args.shapes), ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            p.error(f"{flag} {value}: give a whole number of at least 1")
     device, dtype = torch.device(args.device), DTYPES[args.precision]
     choices = (TORCH_CHOICE, NO_CUDNN)
     print(f"attention at new shapes: {device}, {dtype}, torch {torch.__version__}, cuDNN "

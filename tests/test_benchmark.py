@@ -373,3 +373,17 @@ def test_attention_new_shapes_times_each_backend_choice_at_shapes_none_other_use
     if cudnn_switch() is not None:  # torch >= 2.2: no-cudnn's calls ran with cuDNN off
         assert {(backends, cudnn) for _, backends, cudnn in calls} == {("torch", True),
                                                                        ("no-cudnn", False)}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shapes", "0"], "--shapes 0: give a whole number of at least 1"),
+    (["--max-tokens", "-3"], "--max-tokens -3: give a whole number of at least 1"),
+    (["--device", "cuda"], "--device cuda: torch sees no CUDA GPU here; run with --device cpu"),
+])
+def test_bad_attention_new_shapes_options_are_one_error_line(args, message, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU machine
+    monkeypatch.setattr(sys, "argv", ["attention_new_shapes.py"])  # argparse's program name
+    with pytest.raises(SystemExit) as stop:
+        load_script("attention_new_shapes").main(args)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"attention_new_shapes.py: error: {message}"
