@@ -833,7 +833,7 @@ def run(args, device, work):
                 tps, gen_mb = generate_run(gen_bin, os.path.join(save, "checkpoint_last.pt"),
                                            args.gen_length, args.max_tokens, user_dir, n_decoded,
                                            device)
-                walls = trained - started, time.perf_counter() - trained  # the commands' own
+                train_s, generate_s = trained - started, time.perf_counter() - trained
                 res = results[name]
                 res["train_wps"].append(wps)
                 res["train_mb"].append(mb)
@@ -841,7 +841,7 @@ def run(args, device, work):
                 res["gen_mb"].append(gen_mb)
                 print(f"  round {r + 1} {name:30s} train {wps:8.0f} wps {mb:6.0f} MB   "
                       f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB   (the commands took "
-                      f"{walls[0]:.0f} s and {walls[1]:.0f} s)", flush=True)
+                      f"{train_s:.0f} s and {generate_s:.0f} s)", flush=True)
                 if name == OURS and not args.skip_ctranslate2:
                     ct2, per_hyp, mb = ctranslate2_run(
                         gen_bin, os.path.join(save, "checkpoint_last.pt"), args.gen_length,
