@@ -108,6 +108,29 @@ def test_a_failing_rank_stops_the_others_and_the_launch_fails(rank1_ignores_sigt
         "error: rank 0 exited with status 3; stopping the others (its output: above)\n")
 
 
+def test_a_failure_is_announced_only_once_a_signal_cannot_cut_the_stop_short(tmp_path,
+                                                                               monkeypatch):
+    """The error line "stopping the others" is written with SIGTERM already held, so that a
+    SIGTERM sent on reading it waits until the ranks are reaped (written before, a SIGTERM that
+    came at once could end the launcher with a rank left running)."""
+    handlers = []
+
+    class Recording:
+        def write(self, text):
+            if "stopping the others" in text:
+                handlers.append(signal.getsignal(signal.SIGTERM))
+
+        def flush(self):
+            pass
+    monkeypatch.setattr(sys, "stderr", Recording())
+    before = signal.getsignal(signal.SIGTERM)
+    status = launch_cpu_ranks.launch([sys.executable, "-c", "import sys; sys.exit(3)"],
+                                     nprocs=2, log_dir=str(tmp_path))
+    assert status == 3
+    assert len(handlers) == 1 and handlers[0] is not before  # held while it was written
+    assert signal.getsignal(signal.SIGTERM) is before  # and restored
+
+
 def test_a_rank_killed_by_a_signal_is_named_with_its_log_and_the_shells_status(tmp_path, capfd,
                                                                              monkeypatch):
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # the launcher sets it for the ranks

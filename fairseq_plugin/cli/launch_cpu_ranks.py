@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Tuple
 
 PROG = "annotated-launch-cpu-ranks"
 STOP_GRACE_SECONDS = 10  # how long a rank asked to stop may take before it is killed
@@ -80,7 +81,7 @@ def launch(command, nprocs, log_dir, port=None, threads=None, cpu=True, ddp_back
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // nprocs)))
-    procs, logs = [], []
+    procs, logs, failure = [], [], ""
     try:
         for rank in range(nprocs):
             out = None
@@ -90,18 +91,19 @@ def launch(command, nprocs, log_dir, port=None, threads=None, cpu=True, ddp_back
             cmd = rank_command(command, rank, nprocs, port, cpu, ddp_backend)
             procs.append(subprocess.Popen(cmd, env=env, stdout=out,
                                           stderr=subprocess.STDOUT if out else None))
-        return wait_for_ranks(procs, log_dir)
+        status, failure = wait_for_ranks(procs, log_dir)
+        return status
     finally:
-        stop(procs)
+        stop(procs, failure)
         for f in logs:
             f.close()
 
 
-def wait_for_ranks(procs, log_dir) -> int:
-    """0 once every rank has succeeded; at the first failure, its status (the others are then
-    stopped by the caller). Ranks are taken in the order they end (one waiting thread each): when
-    one rank dies, the others fail soon after ("Connection closed by peer"), and the first is the
-    one to name."""
+def wait_for_ranks(procs, log_dir) -> Tuple[int, str]:
+    """(0, "") once every rank has succeeded; at the first failure, its status and the error line
+    that names it (the caller stops the others). Ranks are taken in the order they end (one
+    waiting thread each): when one rank dies, the others fail soon after ("Connection closed by
+    peer"), and the first is the one to name."""
     ended = queue.Queue()
     for rank, proc in enumerate(procs):
         threading.Thread(target=lambda rank=rank, proc=proc: ended.put((rank, proc.wait())),
@@ -115,10 +117,10 @@ def wait_for_ranks(procs, log_dir) -> int:
                 pass
         if code != 0:
             output = "above" if rank == 0 else os.path.join(log_dir, f"rank{rank}.log")
-            sys.stderr.write(f"{PROG}: error: {rank_failure(rank, code)}; stopping the others "
-                             f"(its output: {output})\n")
-            return 128 - code if code < 0 else code
-    return 0
+            return (128 - code if code < 0 else code,
+                    f"{PROG}: error: {rank_failure(rank, code)}; stopping the others (its "
+                    f"output: {output})\n")
+    return 0, ""
 
 
 def rank_failure(rank: int, code: int) -> str:
@@ -130,16 +132,18 @@ def rank_failure(rank: int, code: int) -> str:
             + (" (out of memory?)" if -code == signal.SIGKILL else ""))
 
 
-def stop(procs) -> None:
+def stop(procs, why: str = "") -> None:
     """Ask every rank still running to stop (SIGTERM), kill those still running after
     STOP_GRACE_SECONDS, and reap them all; a Ctrl-C, SIGTERM or SIGHUP meanwhile is held until
-    they are, then takes its course."""
+    they are, then takes its course. ``why`` (a failure's error line) is written once those
+    signals are held: one sent on reading it cannot cut the stop short."""
     held, previous = [], {}
     if threading.current_thread() is threading.main_thread():  # (where handlers can be set)
         for signum in (signal.SIGINT, *STOP_SIGNALS):
             if signal.getsignal(signum) not in (signal.SIG_IGN, None):
                 previous[signum] = signal.signal(signum, lambda signum, _: held.append(signum))
     try:
+        sys.stderr.write(why)
         stop_now(procs)
     finally:
         for signum, handler in previous.items():
