@@ -35,11 +35,11 @@ sources, alternated, split into the time inside the model's per-step calls (deco
 reorders) and the rest (encoder, fairseq's SequenceGenerator), then prints torch.profiler's
 operators of one decoding of each: where a GPU's beam search spends its time.
 
---also-no-cudnn adds a third contestant to every round: annotated_transformer trained (and so
-decoding) with --fused-attention-backends no-cudnn, its fused attention kept off torch's cuDNN
-backend (also in --decoding-in-process). Stopped by SIGTERM (e.g. timeout's) during the rounds,
-the benchmark stops fairseq's running command, prints the tables of the rounds complete so far
-and ends in an error line.
+--also-torch-choice adds a third contestant to every round: annotated_transformer trained (and
+so decoding) with --fused-attention-backends torch, its fused attention on the backend torch
+chooses, cuDNN included, instead of the default no-cudnn (also in --decoding-in-process).
+Stopped by SIGTERM (e.g. timeout's) during the rounds, the benchmark stops fairseq's running
+command, prints the tables of the rounds complete so far and ends in an error line.
 
 --device cuda runs fairseq on the GPU in --precision fp16 (default there), bf16 or fp32, and
 reads peak memory from torch.cuda.max_memory_allocated (resident memory on the CPU); GPU steps
@@ -76,7 +76,7 @@ PRESETS = {  # layers, d_model, d_ff, heads
 }
 OURS, THEIRS, BEFORE = "annotated_transformer", "transformer", "annotated_transformer@before"
 NO_PACKING = "annotated_transformer without packing"  # computing padding, as fairseq's does
-OURS_NO_CUDNN = "annotated_transformer no-cudnn"  # --fused-attention-backends no-cudnn
+OURS_TORCH_CHOICE = "annotated_transformer torch-choice"  # --fused-attention-backends torch
 
 
 def zipf_corpus(path, n_sentences, vocab, rng, min_len=8, max_len=40, exponent=1.1):
@@ -220,7 +220,7 @@ CPU = Device()
 
 def folder_name(contestant: str) -> str:
     """A contestant's name as a folder name: annotated_transformer, annotated_transformer-before,
-    annotated_transformer-no-cudnn, transformer."""
+    annotated_transformer-torch-choice, transformer."""
     return re.sub(r"[^\w.-]+", "-", contestant)
 
 
@@ -725,10 +725,10 @@ def main(argv=None):
                    help="on a GPU, keep torch from choosing its cuDNN attention backend, for "
                         "both models (torch.backends.cuda.enable_cudnn_sdp(False) in every "
                         "process): it builds a cuDNN graph for each new shape of the inputs")
-    p.add_argument("--also-no-cudnn", action="store_true",
-                   help="also run annotated_transformer with --fused-attention-backends no-cudnn "
-                        "in every round (A B C, C B A, ...): its fused attention kept off torch's "
-                        "cuDNN backend, which a GPU may choose")
+    p.add_argument("--also-torch-choice", action="store_true",
+                   help="also run annotated_transformer with --fused-attention-backends torch in "
+                        "every round (A B C, C B A, ...): its fused attention on the backend torch "
+                        "chooses, which may be cuDNN on a GPU, instead of the default no-cudnn")
     p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if (args.profile_steps or args.without_packing) and args.steps_in_process is None:
@@ -810,13 +810,13 @@ def run(args, device, work):
                   f"{step_ratio_line(NO_PACKING, unpacked, theirs)}")
         return
     # contestants: (name, --arch, --user-dir, more model flags); --before adds another checkout's
-    # plugin, --also-no-cudnn ours with --fused-attention-backends no-cudnn
+    # plugin, --also-torch-choice ours with --fused-attention-backends torch
     contestants = [(OURS, OURS, plugin_dir(), []), (THEIRS, THEIRS, plugin_dir(), [])]
     if args.before:
         contestants.append((BEFORE, OURS, os.path.abspath(args.before), []))
-    if args.also_no_cudnn:
-        contestants.append((OURS_NO_CUDNN, OURS, plugin_dir(),
-                            ["--fused-attention-backends", "no-cudnn"]))
+    if args.also_torch_choice:
+        contestants.append((OURS_TORCH_CHOICE, OURS, plugin_dir(),
+                            ["--fused-attention-backends", "torch"]))
     results = {name: {"train_wps": [], "train_mb": [], "gen_tps": [], "gen_mb": []}
                for name, _, _, _ in contestants}
     ct2_tps, ct2_mb = [], []
@@ -910,7 +910,7 @@ def run(args, device, work):
             print(f"| {label} | {' | '.join(f'{ops[c][key]:.1f}' for c in columns)} |")
 
     if args.decoding_in_process:
-        names = (OURS, THEIRS) + ((OURS_NO_CUDNN,) if args.also_no_cudnn else ())
+        names = (OURS, THEIRS) + ((OURS_TORCH_CHOICE,) if args.also_torch_choice else ())
         checkpoints = {name: os.path.join(work, f"{folder_name(name)}-round0",
                                           "checkpoint_last.pt") for name in names}
         spent = decoding_in_process(checkpoints, data_bin, args.gen_length, device=device)

@@ -45,13 +45,14 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
     data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 50, "--test", 40)
     out = benchmark("--data-bin", str(data_bin), "--rounds", "1", "--train-updates", "10",
                     "--gen-length", "8", "--cache-lengths", "4", "--skip-ctranslate2",
-                    "--decoding-in-process", "--also-no-cudnn", work=tmp_path / "work")
+                    "--decoding-in-process", "--also-torch-choice", work=tmp_path / "work")
     assert re.search(r"training batches: [\d.]+% source and [\d.]+% target positions are padding",
                      out)
     assert "decoding the first 16 of 40 test sentences" in out
     # each run's line, with its commands' times (what a GPU session's plan is sized by)
-    assert len(re.findall(r"(?m)^  round 1 (?:annotated_transformer(?: no-cudnn)?|transformer) "
-                          r"+train .* MB   \(the commands took \d+ s and \d+ s\)$", out)) == 3, out
+    assert len(re.findall(r"(?m)^  round 1 (?:annotated_transformer(?: torch-choice)?|"
+                          r"transformer) +train .* MB   \(the commands took \d+ s and \d+ s\)$",
+                          out)) == 3, out
     rows = {}
     for line in out.splitlines():  # | label | model | ours | theirs | ratio | per-round ratios |
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -60,7 +61,8 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
                               [float(r) for r in cells[5].split()])
     assert sorted(rows) == sorted(["training, target words/s", "generation beam 5, tokens/s",
                                    "training peak memory, MB", "generation peak memory, MB"])
-    assert len(re.findall(r"\n\| [^|]+ \| annotated_transformer no-cudnn \| [\d.]+ \|", out)) == 4
+    assert len(re.findall(r"\n\| [^|]+ \| annotated_transformer torch-choice \| [\d.]+ \|",
+                          out)) == 4
     for ours, theirs, ratio, per_round in rows.values():
         assert ours > 0 and theirs > 0 and len(per_round) == 1
         # one round: the median of the ratios is that round's ratio of the figures beside it
@@ -80,20 +82,20 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
     # beam 5 in this process: seconds in all and in the model's per-step calls, and the rest
     spent = {cells[0]: [float(c) for c in cells[1:]] for cells in (
         [c.strip() for c in line.strip("| \n").split("|")] for line in out.splitlines()
-        if re.match(r"\| (annotated_transformer( no-cudnn)?|transformer) \| [\d.]+ \|", line))}
-    assert sorted(spent) == ["annotated_transformer", "annotated_transformer no-cudnn",
+        if re.match(r"\| (annotated_transformer( torch-choice)?|transformer) \| [\d.]+ \|", line))}
+    assert sorted(spent) == ["annotated_transformer", "annotated_transformer torch-choice",
                              "transformer"], out[-2000:]
-    for name in ("annotated_transformer", "annotated_transformer no-cudnn"):
+    for name in ("annotated_transformer", "annotated_transformer torch-choice"):
         assert re.search(rf"\ntransformer / {name}: [\d.]+x in decoding, [\d.]+x in the "
                          r"model's calls\n", out), name
     for whole, in_model, rest in spent.values():
         assert 0 < in_model < whole and abs(whole - in_model - rest) <= 0.0015
-    profiled = re.findall(r"\n(annotated_transformer(?: no-cudnn)?|transformer), beam 5, 100 "
+    profiled = re.findall(r"\n(annotated_transformer(?: torch-choice)?|transformer), beam 5, 100 "
                           r"sentences x 8 "
                           r"tokens, profiled: [\d.]+ s of CPU time.*\n(?:  .*\n)+  \(CPU time "
                           r"in the model's calls: forward ([\d.]+) s", out)
     assert sorted(name for name, _ in profiled) == ["annotated_transformer",
-                                                    "annotated_transformer no-cudnn",
+                                                    "annotated_transformer torch-choice",
                                                     "transformer"]
     assert all(float(seconds) > 0 for _, seconds in profiled)
 
@@ -268,10 +270,10 @@ def commands_naming(text):
 @pytest.mark.skipif(FAIRSEQ_BREAKS_POST_LN, reason="fairseq 0.12.2's own transformer (post-LN) "
                     "cannot decode padded batches (fairseq #4858): the benchmark's generation "
                     "needs fairseq-fixed")
-def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_no_cudnn_model(
+def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_third_model(
         tmp_path):
-    """--also-no-cudnn adds annotated_transformer trained (and so decoding) with
-    --fused-attention-backends no-cudnn to every round; SIGTERM (a timeout's) in the second
+    """--also-torch-choice adds annotated_transformer trained (and so decoding) with
+    --fused-attention-backends torch to every round; SIGTERM (a timeout's) in the second
     round prints the table of the first, stops fairseq's command and ends in one error line."""
     import signal
     import time
@@ -282,7 +284,7 @@ def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_n
     proc = subprocess.Popen(
         [sys.executable, BENCHMARK, *TINY, "--data-bin", str(data_bin), "--rounds", "2",
          "--train-updates", "10", "--gen-length", "8", "--skip-ctranslate2", "--skip-cache",
-         "--also-no-cudnn", "--work-dir", str(tmp_path / "work")],
+         "--also-torch-choice", "--work-dir", str(tmp_path / "work")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     for line in proc.stdout:  # the benchmark flushes each round's line
@@ -302,13 +304,13 @@ def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_n
     assert "| medians of 1 rounds |" in out
     rows = [[c.strip() for c in line.strip("| \n").split("|")] for line in out.splitlines()
             if line.startswith("| training, target words/s |")]
-    assert [r[1] for r in rows] == ["annotated_transformer", "annotated_transformer no-cudnn"]
+    assert [r[1] for r in rows] == ["annotated_transformer", "annotated_transformer torch-choice"]
     assert all(len(r[5].split()) == 1 for r in rows)  # one ratio: round 1's
     saved = {name: torch.load(tmp_path / "work" / f"{name}-round0" / "checkpoint_last.pt",
                               weights_only=False)["cfg"]["model"]
-             for name in ("annotated_transformer", "annotated_transformer-no-cudnn")}
-    assert saved["annotated_transformer"]["fused_attention_backends"] == "torch"
-    assert saved["annotated_transformer-no-cudnn"]["fused_attention_backends"] == "no-cudnn"
+             for name in ("annotated_transformer", "annotated_transformer-torch-choice")}
+    assert saved["annotated_transformer"]["fused_attention_backends"] == "no-cudnn"
+    assert saved["annotated_transformer-torch-choice"]["fused_attention_backends"] == "torch"
 
 
 def test_a_gpu_profile_also_lists_the_operators_by_host_time(capsys):

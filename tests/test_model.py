@@ -237,8 +237,8 @@ def test_a_checkpoint_whose_flags_name_one_pre_ln_stack_but_has_two_is_refused_w
 
 def test_fused_attention_backends_reach_every_attention_from_the_flag_and_from_overrides(
         tmp_path):
-    """--fused-attention-backends no-cudnn reaches every attention module from the command line;
-    a checkpoint saved before the option existed loads with torch's choice, and
+    """--fused-attention-backends reaches every attention module from the command line, no-cudnn
+    by default; a checkpoint saved before the option existed loads with that default, and
     --model-overrides changes it when it loads; another value gets argparse's one line."""
     from fairseq import checkpoint_utils, options, tasks
 
@@ -252,8 +252,8 @@ def test_fused_attention_backends_reach_every_attention_from_the_flag_and_from_o
     d.save(str(tmp_path / "dict.en.txt"))
     command = [str(tmp_path), "--arch", "annotated_transformer_tiny", "--source-lang", "de",
                "--target-lang", "en", "--user-dir", os.path.dirname(fairseq_plugin.__file__)]
-    for extra, expected in (([], TORCH_CHOICE), (["--fused-attention-backends", NO_CUDNN],
-                                                 NO_CUDNN)):
+    for extra, expected in (([], NO_CUDNN), (["--fused-attention-backends", TORCH_CHOICE],
+                                             TORCH_CHOICE)):
         args = options.parse_args_and_arch(options.get_training_parser(), command + extra)
         model = tasks.setup_task(args).build_model(args)
         modules = len(model.encoder.layers) + 2 * len(model.decoder.layers)
@@ -264,8 +264,8 @@ def test_fused_attention_backends_reach_every_attention_from_the_flag_and_from_o
 
     here = os.path.join(os.path.dirname(__file__), "data", "pre_redesign")
     overrides = {"data": here, "source_lang": "src", "target_lang": "tgt"}
-    for extra, expected in (({}, TORCH_CHOICE), ({"fused_attention_backends": NO_CUDNN},
-                                                 NO_CUDNN)):
+    for extra, expected in (({}, NO_CUDNN), ({"fused_attention_backends": TORCH_CHOICE},
+                                             TORCH_CHOICE)):
         models, _, _ = checkpoint_utils.load_model_ensemble_and_task(
             [os.path.join(here, "checkpoint.pt")], arg_overrides={**overrides, **extra})
         assert set(backends(models[0])) == {expected}

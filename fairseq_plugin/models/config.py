@@ -69,11 +69,11 @@ class AnnotatedTransformerConfig(FairseqDataclass):
     no_scale_embedding: bool = _option(False, "do not multiply embeddings by sqrt(d_model)")
     max_source_positions: int = _option(DEFAULT_MAX_POSITIONS, "longest source, in tokens")
     max_target_positions: int = _option(DEFAULT_MAX_POSITIONS, "longest target, in tokens")
-    fused_attention_backends: ChoiceEnum([TORCH_CHOICE, NO_CUDNN]) = _option(
-        TORCH_CHOICE, "where the fused attention kernel may run: on the backend torch chooses, "
-                      "or on any but cuDNN (no-cudnn), which builds a plan for each new shape of "
-                      "its inputs (the same attention, other kernels; at generation: "
-                      "--model-overrides \"{'fused_attention_backends': 'no-cudnn'}\")")
+    fused_attention_backends: ChoiceEnum([NO_CUDNN, TORCH_CHOICE]) = _option(
+        NO_CUDNN, "where the fused attention kernel may run: on any backend but cuDNN, which "
+                  "builds a plan for each new shape of its inputs (no-cudnn, the default), or on "
+                  "the one torch chooses (torch); the same attention, other kernels (at "
+                  "generation: --model-overrides \"{'fused_attention_backends': 'no-cudnn'}\")")
 
 
 class _UnsupportedFlag(argparse.Action):

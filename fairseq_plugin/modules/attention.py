@@ -39,11 +39,10 @@ _SDPA_ZEROES_EMPTY_ROWS_ON_CPU = TORCH_RELEASE >= (2, 5)
 FUSED, EXPLICIT = "fused", "explicit"
 
 # The backends of torch's fused attention that the FUSED kernel may run on
-# (--fused-attention-backends): torch's own choice, or all but cuDNN. torch may choose cuDNN on
-# recent GPUs (it did on an H200), and cuDNN builds an execution plan for every new shape of the
-# inputs, tens of milliseconds each (pytorch#155958, flashinfer-ai/flashinfer#5245); a decoding
-# step's keys are one longer at every step, and each training batch has its own shape (README,
-# "On a GPU").
+# (--fused-attention-backends): all but cuDNN (the default), or torch's own choice. torch may
+# choose cuDNN on recent GPUs (it did on an H200), and cuDNN builds an execution plan for every
+# new shape of the inputs (pytorch#155958); a decoding step's keys are one longer at every step,
+# and each training batch has its own shape. Measured: README, "On a GPU".
 TORCH_CHOICE, NO_CUDNN = "torch", "no-cudnn"
 _TORCH_HAS_CUDNN_ATTENTION = hasattr(torch.backends.cuda, "enable_cudnn_sdp")  # else none
 
@@ -93,7 +92,7 @@ def choose_kernel(need_weights: bool, forced: Optional[str] = None) -> str:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
-           dropout: Dropout, kernel: str, backends: str = TORCH_CHOICE
+           dropout: Dropout, kernel: str, backends: str = NO_CUDNN
            ) -> Tuple[Tensor, Optional[Tensor]]:
     """Attention(Q, K, V) with the chosen kernel: (B, h, T, d_k) and the weights (B, h, T, S) for
     the explicit kernel. ``causal``: the T queries are the last T of the S positions, and each
@@ -171,7 +170,7 @@ class MultiHeadedAttention(nn.Module):
     """
 
     def __init__(self, heads: int, d_model: int, dropout: float = 0.0, self_attention: bool = True,
-                 d_memory: Optional[int] = None, backends: str = TORCH_CHOICE):
+                 d_memory: Optional[int] = None, backends: str = NO_CUDNN):
         super().__init__()
         if heads <= 0 or d_model % heads:
             raise ValueError(f"d_model {d_model} is not a multiple of h = {heads}")
@@ -191,7 +190,7 @@ class MultiHeadedAttention(nn.Module):
         self.dropout = Dropout(dropout, type(self).__name__, cpu_mask=False)
         # FUSED or EXPLICIT forces the kernel (tests, the benchmark); weights need EXPLICIT
         self.kernel: Optional[str] = None
-        self.backends = backends  # TORCH_CHOICE or NO_CUDNN: where the fused kernel may run
+        self.backends = backends  # NO_CUDNN or TORCH_CHOICE: where the fused kernel may run
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
