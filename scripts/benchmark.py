@@ -28,7 +28,9 @@ default; --preset base|iwslt|multi30k|tiny for others.
 --steps-in-process N measures training alone, with less noise: both models' fairseq Trainers in
 this one process take the same N batches, alternated step by step (the machine's drift falls on
 both alike); --profile-steps K adds torch.profiler's operators of K steps of each, alternated
-too, with the time and FLOPs of their matrix products.
+too, with the time and FLOPs of their matrix products. It also prints what each model's training
+forward keeps for backward and, on a GPU, what one training step holds at its peak beyond what
+was allocated before it (torch.cuda's counters), on the batch with the most target padding.
 
 --decoding-in-process times beam 5 of both models' first checkpoints in this process on the same
 sources, alternated, split into the time inside the model's per-step calls (decoder step,
@@ -298,11 +300,12 @@ def fairseq_trainer(flags):
 
 
 def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, device=CPU,
-                     without_packing=False):
+                     without_packing=False, memory=None):
     """Training steps of both models in one process on the same batches, alternated step by step
     (A B, B A, ...), so that the machine's drift falls on both alike. Returns {name: [seconds of
     each step]}; with ``profile_steps``, then profiles that many steps of each (print_profiles).
-    ``without_packing`` adds annotated_transformer computing padding too (NO_PACKING)."""
+    ``without_packing`` adds annotated_transformer computing padding too (NO_PACKING). ``memory``
+    (on a GPU, CudaMemory) reads what one step holds at its peak (step_peak_mib)."""
     import torch
 
     flags = {arch: training_flags(data_bin, arch, preset, max_tokens, plugin_dir(), device)
@@ -343,7 +346,41 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
           f"padding ({padding[most]:.1%}; distinct storages, parameters excluded): " + ", ".join(
               f"{name} {mib:.1f} MiB" for name, mib in kept.items())
           + f"; {OURS} / {THEIRS}: {kept[OURS] / kept[THEIRS]:.2f}x")
+    memory = memory or (CudaMemory() if device.kind == "cuda" else None)
+    if memory is not None:
+        peak = {name: step_peak_mib(trainer, samples[3 + most], memory)
+                for name, trainer in trainers.items()}
+        print("held at its peak by one training step of that batch (forward, backward, update), "
+              "beyond what was allocated before it: " + ", ".join(
+                  f"{name} {mib:.1f} MiB" for name, mib in peak.items())
+              + f"; {OURS} / {THEIRS}: {peak[OURS] / peak[THEIRS]:.2f}x")
     return seconds
+
+
+class CudaMemory:
+    """torch.cuda's allocator, read around a training step (step_peak_mib)."""
+
+    def start(self) -> int:
+        """Bytes allocated now, with the peak counter reset to them."""
+        import torch
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+
+    def peak(self) -> int:
+        """The most bytes allocated at once since start()."""
+        import torch
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+
+def step_peak_mib(trainer, sample, memory) -> float:
+    """MiB that one training step of ``sample`` holds at its peak beyond what was allocated before
+    it (the parameters, the optimizer's state): where two models of the same parameters differ in
+    peak memory. Whole runs' peaks (train_run) add what stays allocated between steps."""
+    before = memory.start()
+    trainer.train_step([sample])
+    return (memory.peak() - before) / 2 ** 20
 
 
 def kept_for_backward_mib(trainer, sample) -> float:

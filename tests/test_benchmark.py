@@ -136,6 +136,42 @@ def test_steps_in_process_time_the_models_and_profile_their_matrix_products(tmp_
     assert abs(ratio - ours / theirs) <= 0.006
 
 
+def test_steps_in_process_read_each_models_step_peak_around_one_training_step(
+        tmp_path, capsys, monkeypatch):
+    """Given the memory counters (on a GPU torch.cuda's, CudaMemory), steps_in_process prints
+    what one training step holds at its peak beyond what was allocated before it, for each
+    model, with their ratio. A recorder stands in for the counters here: each model's reading
+    brackets exactly one training step of that model, and the figures printed are its own."""
+    from fairseq.trainer import Trainer
+
+    bench = load_benchmark()
+    data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 20, "--test", 10)
+    steps = []
+    train_step = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self, samples, *a, **k: (
+        steps.append(self.model), train_step(self, samples, *a, **k))[1])
+
+    class Recorder:  # the bytes allocated before a step, and the step's peak: 10, 11, ... MiB more
+        readings = []
+
+        def start(self):
+            self.steps_before = len(steps)
+            return 1000 * 2 ** 20
+
+        def peak(self):
+            assert len(steps) == self.steps_before + 1  # one step between the two readings
+            self.readings.append(type(steps[-1]).__name__)
+            return 1000 * 2 ** 20 + (10 + len(self.readings) - 1) * 2 ** 20
+
+    bench.steps_in_process(str(data_bin), "tiny", 1024, 2, memory=Recorder())
+    out = capsys.readouterr().out
+    assert Recorder.readings == ["AnnotatedTransformerModel", "TransformerModel"]
+    assert ("\nheld at its peak by one training step of that batch (forward, backward, update), "
+            "beyond what was allocated before it: annotated_transformer 10.0 MiB, transformer "
+            "11.0 MiB; annotated_transformer / transformer: 0.91x\n") in out, out[-2000:]
+    assert "held at its peak" not in benchmark("--steps-in-process", "1", work=tmp_path / "w")
+
+
 def test_step_options_without_steps_in_process_are_one_error_line():
     proc = subprocess.run([sys.executable, BENCHMARK, "--without-packing"], capture_output=True,
                           text=True, timeout=120)
