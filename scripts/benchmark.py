@@ -44,7 +44,8 @@ Stopped by SIGTERM (e.g. timeout's) during the rounds, the benchmark stops fairs
 command, prints the tables of the rounds complete so far and ends in an error line.
 
 --device cuda runs fairseq on the GPU in --precision fp16 (default there), bf16 or fp32, and
-reads peak memory from torch.cuda.max_memory_allocated (resident memory on the CPU); GPU steps
+reads peak memory from torch.cuda's allocator over the whole command (scripts/cuda_peak.py;
+resident memory on the CPU); GPU steps
 are fast, so give it more --train-updates (e.g. 200) and a larger --max-tokens (e.g. 8192).
 --precision bf16 (on either device) needs a hand with fairseq 0.12, for both models alike:
 its --bf16 also switches on --tpu, which the benchmark's fairseq processes switch back off, and
@@ -172,25 +173,24 @@ def model_flags(preset):
             "--share-all-embeddings", "--dropout", "0.1"]
 
 
-# fairseq's CLI run in a Python that first sets up cuBLAS (a matrix product: otherwise the first
-# one inside the CLI's timed work pays for it) and prints the CUDA allocator's peak when it exits
-CUDA_PEAK = ("x = torch.ones(64, 64, device='cuda', dtype=torch.half); x @ x; "
-             "torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); "
-             "atexit.register(lambda: print('cuda peak MB', "
-             "torch.cuda.max_memory_allocated() / 2 ** 20, flush=True)); ")
-
-# torch's cuDNN attention backend switched off in a process, for both models alike
-NO_CUDNN_ATTENTION = "torch.backends.cuda.enable_cudnn_sdp(False); "
-
-# fairseq's CLIs in bf16 (scripts/fairseq_bf16.py), for both models alike
+# Set-ups of the Python process that runs one of fairseq's CLIs, for both models alike. The
+# scripts beside this one are imported from there:
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-IN_BF16 = f"sys.path.insert(0, {SCRIPTS!r}); import fairseq_bf16; fairseq_bf16.switch_on(); "
+# the GPU memory peak over the whole command (scripts/cuda_peak.py: fairseq's trainer resets
+# torch's peak counter after every step), printed at exit; cuBLAS set up first (a matrix product:
+# otherwise the first one inside the CLI's timed work pays for it)
+CUDA_PEAK = "import cuda_peak; cuda_peak.switch_on(); "
+CUDA_PEAK_PRINTED = "cuda peak MB"  # cuda_peak.PRINTED
+# torch's cuDNN attention backend switched off
+NO_CUDNN_ATTENTION = "torch.backends.cuda.enable_cudnn_sdp(False); "
+# fairseq's CLIs in bf16 (scripts/fairseq_bf16.py)
+IN_BF16 = "import fairseq_bf16; fairseq_bf16.switch_on(); "
 BF16_MODELS = "fairseq_bf16: the models in torch.bfloat16"  # what fairseq_bf16 prints
 
 
 class Device:
     """Where fairseq runs: its flags, and how its peak memory is read (the process's resident
-    memory on the CPU, torch.cuda.max_memory_allocated on a GPU); on a GPU, whether torch may
+    memory on the CPU, torch.cuda's allocator on a GPU: CUDA_PEAK); on a GPU, whether torch may
     choose its cuDNN attention backend."""
 
     def __init__(self, kind: str = "cpu", precision: str = "fp32", cudnn_attention: bool = True):
@@ -208,13 +208,14 @@ class Device:
                  + (IN_BF16 if self.precision == "bf16" else ""))
         if not setup:
             return cmd
-        return [sys.executable, "-c", "import atexit, runpy, sys, torch; sys.argv = sys.argv[1:]; "
-                f"{setup}runpy.run_path(sys.argv[0], run_name='__main__')", *cmd]
+        return [sys.executable, "-c", "import runpy, sys, torch; sys.argv = sys.argv[1:]; "
+                f"sys.path.insert(0, {SCRIPTS!r}); {setup}"
+                "runpy.run_path(sys.argv[0], run_name='__main__')", *cmd]
 
     def peak_mb(self, out: str, rss_mb: float) -> float:
         if self.kind == "cpu":
             return rss_mb
-        return float(out.rsplit("cuda peak MB ", 1)[1].split()[0])
+        return float(out.rsplit(CUDA_PEAK_PRINTED + " ", 1)[1].split()[0])
 
 
 CPU = Device()
@@ -736,7 +737,8 @@ def main(argv=None):
     p.add_argument("--skip-ctranslate2", action="store_true",
                    help="skip decoding the exported model with CTranslate2")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cuda: fairseq on the GPU, peak memory = torch.cuda.max_memory_allocated")
+                   help="cuda: fairseq on the GPU, peak memory from torch.cuda's allocator "
+                        "(scripts/cuda_peak.py)")
     p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=None,
                    help="fairseq's --fp16 or --bf16, or fp32 (default: fp32 on cpu, fp16 on "
                         "cuda); bf16 with fairseq's --tpu switched back off, and fairseq-generate's "

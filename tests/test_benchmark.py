@@ -284,10 +284,55 @@ def test_without_cudnn_attention_every_gpu_process_switches_it_off_before_fairse
     bench = load_benchmark()
     command = bench.Device("cuda", "fp16", cudnn_attention=False).command(["fairseq-generate", "x"])
     setup = command[2]
-    assert (setup.index("import atexit, runpy, sys, torch;") < setup.index(
+    assert (setup.index("import runpy, sys, torch;") < setup.index(
         "torch.backends.cuda.enable_cudnn_sdp(False);") < setup.index("runpy.run_path"))
     assert command[3:] == ["fairseq-generate", "x"]
     assert "enable_cudnn_sdp" not in bench.Device("cuda", "fp16").command(["x"])[2]
+
+
+def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsys):
+    """fairseq's trainer resets torch.cuda's peak counter after every step; what the benchmark
+    reads (scripts/cuda_peak.py, set up in every GPU process before fairseq runs) is still the
+    most allocated at once over the whole command. A stand-in for torch.cuda counts here."""
+    cuda_peak = load_script("cuda_peak")
+
+    class Allocator:  # torch.cuda's functions that cuda_peak uses
+        allocated = peak = 0
+
+        def synchronize(self):
+            pass
+
+        def max_memory_allocated(self):
+            return self.peak
+
+        def reset_peak_memory_stats(self):
+            self.peak = self.allocated
+
+        def use(self, n_bytes):  # a tensor made, or freed (n_bytes < 0)
+            self.allocated += n_bytes
+            self.peak = max(self.peak, self.allocated)
+
+    at_exit = []
+    monkeypatch.setattr(cuda_peak.atexit, "register", at_exit.append)
+    cuda = Allocator()
+    cuda.use(100 * 2 ** 20)  # before switch_on: counted only as what stays allocated
+    cuda.use(50 * 2 ** 20)
+    cuda.use(-50 * 2 ** 20)
+    peak_mib = cuda_peak.switch_on(cuda)
+    for step_peak in (300, 500, 200):  # three training steps, the counter reset after each
+        cuda.use(step_peak * 2 ** 20)
+        cuda.use(-step_peak * 2 ** 20)
+        cuda.reset_peak_memory_stats()  # what fairseq calls: torch.cuda.reset_peak_memory_stats
+    assert cuda.max_memory_allocated() == 100 * 2 ** 20  # the counter alone lost the steps
+    assert peak_mib() == 600.0
+    at_exit[0]()
+    assert capsys.readouterr().out == "cuda peak MB 600.0\n"
+    bench = load_benchmark()
+    assert bench.CUDA_PEAK_PRINTED == cuda_peak.PRINTED
+    setup = bench.Device("cuda", "fp16").command(["fairseq-train", "x"])[2]
+    assert (setup.index(f"sys.path.insert(0, {bench.SCRIPTS!r});")
+            < setup.index("import cuda_peak; cuda_peak.switch_on();")
+            < setup.index("runpy.run_path"))
 
 
 def commands_naming(text):
