@@ -30,7 +30,7 @@ this one process take the same N batches, alternated step by step (the machine's
 both alike); --profile-steps K adds torch.profiler's operators of K steps of each, alternated
 too, with the time and FLOPs of their matrix products. It also prints what each model's training
 forward keeps for backward and, on a GPU, what one training step holds at its peak beyond what
-was allocated before it (torch.cuda's counters), on the batch with the most target padding.
+was allocated before it (scripts/cuda_peak.py), on the batch with the most target padding.
 
 --decoding-in-process times beam 5 of both models' first checkpoints in this process on the same
 sources, alternated, split into the time inside the model's per-step calls (decoder step,
@@ -306,7 +306,7 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
     (A B, B A, ...), so that the machine's drift falls on both alike. Returns {name: [seconds of
     each step]}; with ``profile_steps``, then profiles that many steps of each (print_profiles).
     ``without_packing`` adds annotated_transformer computing padding too (NO_PACKING). ``memory``
-    (on a GPU, CudaMemory) reads what one step holds at its peak (step_peak_mib)."""
+    (on a GPU, cuda_peak.PeakCounter) reads what one step holds at its peak (step_peak_mib)."""
     import torch
 
     flags = {arch: training_flags(data_bin, arch, preset, max_tokens, plugin_dir(), device)
@@ -347,7 +347,10 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
           f"padding ({padding[most]:.1%}; distinct storages, parameters excluded): " + ", ".join(
               f"{name} {mib:.1f} MiB" for name, mib in kept.items())
           + f"; {OURS} / {THEIRS}: {kept[OURS] / kept[THEIRS]:.2f}x")
-    memory = memory or (CudaMemory() if device.kind == "cuda" else None)
+    if memory is None and device.kind == "cuda":
+        sys.path.insert(0, SCRIPTS)
+        import cuda_peak
+        memory = cuda_peak.PeakCounter()
     if memory is not None:
         peak = {name: step_peak_mib(trainer, samples[3 + most], memory)
                 for name, trainer in trainers.items()}
@@ -356,23 +359,6 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
                   f"{name} {mib:.1f} MiB" for name, mib in peak.items())
               + f"; {OURS} / {THEIRS}: {peak[OURS] / peak[THEIRS]:.2f}x")
     return seconds
-
-
-class CudaMemory:
-    """torch.cuda's allocator, read around a training step (step_peak_mib)."""
-
-    def start(self) -> int:
-        """Bytes allocated now, with the peak counter reset to them."""
-        import torch
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-
-    def peak(self) -> int:
-        """The most bytes allocated at once since start()."""
-        import torch
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
 
 
 def step_peak_mib(trainer, sample, memory) -> float:

@@ -138,9 +138,9 @@ def test_steps_in_process_time_the_models_and_profile_their_matrix_products(tmp_
 
 def test_steps_in_process_read_each_models_step_peak_around_one_training_step(
         tmp_path, capsys, monkeypatch):
-    """Given the memory counters (on a GPU torch.cuda's, CudaMemory), steps_in_process prints
-    what one training step holds at its peak beyond what was allocated before it, for each
-    model, with their ratio. A recorder stands in for the counters here: each model's reading
+    """Given the memory counters (on a GPU torch.cuda's, cuda_peak.PeakCounter),
+    steps_in_process prints what one training step holds at its peak beyond what was allocated
+    before it, for each model, with their ratio. A recorder stands in for the counters here: each model's reading
     brackets exactly one training step of that model, and the figures printed are its own."""
     from fairseq.trainer import Trainer
 
@@ -302,6 +302,9 @@ def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsy
         def synchronize(self):
             pass
 
+        def memory_allocated(self):
+            return self.allocated
+
         def max_memory_allocated(self):
             return self.peak
 
@@ -318,15 +321,21 @@ def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsy
     cuda.use(100 * 2 ** 20)  # before switch_on: counted only as what stays allocated
     cuda.use(50 * 2 ** 20)
     cuda.use(-50 * 2 ** 20)
-    peak_mib = cuda_peak.switch_on(cuda)
+    counter = cuda_peak.switch_on(cuda)
     for step_peak in (300, 500, 200):  # three training steps, the counter reset after each
         cuda.use(step_peak * 2 ** 20)
         cuda.use(-step_peak * 2 ** 20)
         cuda.reset_peak_memory_stats()  # what fairseq calls: torch.cuda.reset_peak_memory_stats
     assert cuda.max_memory_allocated() == 100 * 2 ** 20  # the counter alone lost the steps
-    assert peak_mib() == 600.0
+    assert counter.peak() == 600 * 2 ** 20
     at_exit[0]()
     assert capsys.readouterr().out == "cuda peak MB 600.0\n"
+    # around one step (step_peak_mib): from what is allocated at its start, the reset inside
+    assert counter.start() == 100 * 2 ** 20
+    cuda.use(250 * 2 ** 20)
+    cuda.use(-250 * 2 ** 20)
+    cuda.reset_peak_memory_stats()
+    assert counter.peak() == 350 * 2 ** 20
     bench = load_benchmark()
     assert bench.CUDA_PEAK_PRINTED == cuda_peak.PRINTED
     setup = bench.Device("cuda", "fp16").command(["fairseq-train", "x"])[2]
