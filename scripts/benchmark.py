@@ -70,6 +70,11 @@ import time
 
 from fairseq_plugin.cli.common import fairseq_cli, plugin_dir
 
+# the scripts beside this one (cuda_peak, fairseq_bf16), also when it is loaded by its path
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, SCRIPTS)
+import cuda_peak  # noqa: E402  (imports nothing else; fairseq_bf16 imports fairseq: on demand)
+
 PRESETS = {  # layers, d_model, d_ff, heads
     "default": (4, 256, 1024, 4),
     "tiny": (2, 64, 256, 4),
@@ -173,14 +178,12 @@ def model_flags(preset):
             "--share-all-embeddings", "--dropout", "0.1"]
 
 
-# Set-ups of the Python process that runs one of fairseq's CLIs, for both models alike. The
-# scripts beside this one are imported from there:
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+# Set-ups of the Python process that runs one of fairseq's CLIs, for both models alike (the
+# scripts beside this one imported from there too):
 # the GPU memory peak over the whole command (scripts/cuda_peak.py: fairseq's trainer resets
 # torch's peak counter after every step), printed at exit; cuBLAS set up first (a matrix product:
 # otherwise the first one inside the CLI's timed work pays for it)
 CUDA_PEAK = "import cuda_peak; cuda_peak.switch_on(); "
-CUDA_PEAK_PRINTED = "cuda peak MB"  # cuda_peak.PRINTED
 # torch's cuDNN attention backend switched off
 NO_CUDNN_ATTENTION = "torch.backends.cuda.enable_cudnn_sdp(False); "
 # fairseq's CLIs in bf16 (scripts/fairseq_bf16.py)
@@ -215,7 +218,7 @@ class Device:
     def peak_mb(self, out: str, rss_mb: float) -> float:
         if self.kind == "cpu":
             return rss_mb
-        return float(out.rsplit(CUDA_PEAK_PRINTED + " ", 1)[1].split()[0])
+        return float(out.rsplit(cuda_peak.PRINTED + " ", 1)[1].split()[0])
 
 
 CPU = Device()
@@ -348,8 +351,6 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
               f"{name} {mib:.1f} MiB" for name, mib in kept.items())
           + f"; {OURS} / {THEIRS}: {kept[OURS] / kept[THEIRS]:.2f}x")
     if memory is None and device.kind == "cuda":
-        sys.path.insert(0, SCRIPTS)
-        import cuda_peak
         memory = cuda_peak.PeakCounter()
     if memory is not None:
         peak = {name: step_peak_mib(trainer, samples[3 + most], memory)
@@ -774,7 +775,6 @@ def main(argv=None):
     if not device.cudnn_attention:  # in this process too (in-process steps and decoding)
         torch.backends.cuda.enable_cudnn_sdp(False)
     if device.precision == "bf16":  # (in-process steps parse fairseq-train's flags here)
-        sys.path.insert(0, SCRIPTS)
         import fairseq_bf16
         fairseq_bf16.switch_on()
     if device.kind == "cuda" and not torch.cuda.is_available():
