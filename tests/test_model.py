@@ -622,6 +622,11 @@ def test_an_explicit_alignment_layer_and_heads_give_that_layers_source_attention
         assert torch.allclose(extra["attn"][0], first_head), training
         assert not torch.allclose(first_head, records["layers.1.src_attn"][0][:, 0])
         assert not torch.allclose(first_head, records["layers.0.src_attn"][0][:, 1])
+        if training:  # every row as the decoder without packing gives it, padding rows too
+            model.decoder.skip_padding = False
+            _, plain = model(src, torch.tensor([6, 6]), tgt, alignment_layer=0, alignment_heads=1)
+            model.decoder.skip_padding = True
+            assert torch.allclose(extra["attn"][0], plain["attn"][0], atol=1e-6)
 
 
 def test_a_batch_is_packed_only_where_enough_of_it_is_padding():

@@ -161,13 +161,13 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         # is left-padded (right padding follows every real token, so the causal mask hides it);
         # its subsequent_mask part is the self-attention's causal=True (attention.py: attend).
         src_mask = source_mask(encoder_out)  # (B, 1, 1, S) or None
-        step = None  # a decoding step's position: one for all rows
+        step_position = None  # a decoding step's: one position for all rows
         if incremental_state is None:
             tgt_padding = prev_output_tokens.eq(self.padding_idx)  # (B, T)
             left_padded = bool((tgt_padding[:, :-1] & ~tgt_padding[:, 1:]).any())
             tgt_mask = ~tgt_padding[:, None, None, :] if left_padded else None
         else:  # a decoding step: only the newest token is new, and it has nothing to hide
-            step = self.embed.step_position(prev_output_tokens)
+            step_position = self.embed.step_position(prev_output_tokens)
             prev_output_tokens, tgt_padding, tgt_mask = prev_output_tokens[:, -1:], None, None
             self.begin_step(incremental_state, encoder_out, prev_output_tokens.size(0))
 
@@ -175,8 +175,10 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         want_attn = alignment_layer is not None or (self.need_attn and not self.training)
         if alignment_layer is None:
             alignment_layer = len(self.layers) - 1
-        x = self.embed(prev_output_tokens, step)  # (B, T, d); a full pass counts positions
-        # in training, position-wise work on real tokens only (modules/packing.py)
+        x = self.embed(prev_output_tokens, step_position)  # (B, T, d); None: counted per row
+        # in training, position-wise work on real tokens only (modules/packing.py); not when the
+        # source attention is returned: packed, its rows at padding would come from zero queries
+        # (uniform weights), not from the padding positions' own
         packing = packing_for(tgt_padding, self.skip_padding and self.training and not want_attn)
         x = packing.pack(x)
         attn, inner_states = None, [x]

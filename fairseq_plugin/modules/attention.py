@@ -71,7 +71,8 @@ def explicit_attention(query, key, value, mask=None, dropout=None):
     query (B, h, T, d_k), key/value (B, h, S, d_k); mask broadcastable to (B, h, T, S): boolean,
     True where a query may attend, or additive (0 / -inf). Scores are computed in fp32 and masked
     with -inf (not the notebook's -1e9, which overflows fp16); a row with nothing to attend to gets
-    all-zero weights. Returns output (B, h, T, d_k) in the input dtype and weights in fp32.
+    all-zero weights. Returns output (B, h, T, d_k) in the input dtype and weights in fp32; the
+    weights before dropout (as fairseq's attention; the notebook returns them after it).
     """
     d_k = query.size(-1)
     scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) / math.sqrt(d_k)
@@ -95,8 +96,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool
            dropout: Dropout, kernel: str, backends: str = NO_CUDNN
            ) -> Tuple[Tensor, Optional[Tensor]]:
     """Attention(Q, K, V) with the chosen kernel: (B, h, T, d_k) and the weights (B, h, T, S) for
-    the explicit kernel. ``causal``: the T queries are the last T of the S positions, and each
-    sees the keys up to its own. ``backends``: those the fused kernel may run on."""
+    the explicit kernel. ``mask``: boolean, True where a query may attend, or a cache's additive
+    mask (0 / -inf), never with ``causal`` (a self-attention cache given several steps at once
+    keeps one row per hypothesis: no mask). ``causal``: the T queries are the last T of the S
+    positions, and each sees the keys up to its own. ``backends``: those the fused kernel may
+    run on."""
     square = q.size(-2) == k.size(-2)  # the fused kernel's is_causal assumes T = S
     if causal and (mask is not None or kernel == EXPLICIT or not square):
         causal_part = causal_mask(q.size(-2), k.size(-2), q.device)
@@ -217,6 +221,7 @@ class MultiHeadedAttention(nn.Module):
         q, k, v = self.project(query, memory, cache, packing)
         T, group = q.size(2), 1
         if cache is not None:  # decoding: the cache keeps the new keys and values, returns all
+            # (mask: now the cache's, additive 0 / -inf over all S keys, or None)
             k, v, mask, group = self.read_cache(cache, k, v, mask, need_weights)
             causal = causal and T > 1  # one new step may see every cached one
         # 2) attend: softmax(Q K^T / sqrt(d_k)) V, fused or written out (the queries of a group's

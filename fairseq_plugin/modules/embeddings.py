@@ -39,6 +39,18 @@ def positions_of(tokens: Tensor, padding_idx: int) -> Tensor:
     return (torch.cumsum(real, dim=1) - 1).clamp_(min=0)
 
 
+def sinusoid_table(rows: int, d_model: int) -> Tensor:
+    """The notebook's PositionalEncoding table, (rows, d_model) in fp32: sin in the even
+    columns, cos in the odd ones (for an odd d_model, one cos column fewer)."""
+    position = torch.arange(rows, dtype=torch.float32).unsqueeze(1)  # (rows, 1)
+    div_term = torch.exp(  # 1 / 10000^(2i/d_model), (ceil(d_model / 2),)
+        torch.arange(0, d_model, 2, dtype=torch.float32) * -(math.log(10000.0) / d_model))
+    pe = torch.zeros(rows, d_model)
+    pe[:, 0::2] = torch.sin(position * div_term)
+    pe[:, 1::2] = torch.cos(position * div_term[: d_model // 2])
+    return pe
+
+
 class SinusoidalPositionalEncoding(nn.Module):
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
 
@@ -60,13 +72,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         if t is None or t.device != device or t.dtype != dtype or t.size(0) < rows:
             grown = 0 if t is None or t.size(0) >= rows else 2 * t.size(0)  # past the limit
             rows = max(self.max_positions, rows, grown)
-            position = torch.arange(rows, dtype=torch.float32).unsqueeze(1)
-            div_term = torch.exp(
-                torch.arange(0, self.d_model, 2, dtype=torch.float32) * -(math.log(10000.0) / self.d_model))
-            pe = torch.zeros(rows, self.d_model)
-            pe[:, 0::2] = torch.sin(position * div_term)
-            pe[:, 1::2] = torch.cos(position * div_term[: self.d_model // 2])
-            t = self._table = pe.to(device=device, dtype=dtype)
+            t = self._table = sinusoid_table(rows, self.d_model).to(device=device, dtype=dtype)
         return t
 
     def forward(self, positions: Union[Tensor, int], like: Tensor) -> Tensor:

@@ -2,7 +2,8 @@
 
 Shapes: B batch, T target length, S source length, d_model model dimension. In training the
 layers may run on the real positions (N, d_model) of a batch instead (``packing``, packing.py):
-every sub-layer but attention treats each position on its own.
+every sub-layer but attention treats each position on its own. ``Dropout`` (dropout.py) is
+torch's dropout, but on the CPU, where it draws a cheaper mask (p rounded to a multiple of 2^-15).
 """
 
 from typing import Callable, Optional, Tuple
