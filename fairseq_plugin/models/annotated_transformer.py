@@ -146,7 +146,9 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         **unused,
     ):
         """prev_output_tokens (B, T) -> logits (B, T, V) (T = 1 with incremental_state) and
-        {"attn": [source attention (B, T, S) averaged over heads, or None], "inner_states": [...]}"""
+        {"attn": [source attention (B, T, S) averaged over heads, or None], "inner_states": [...]}
+        (src_lengths and return_all_hiddens: fairseq's decoder interface, unused here; the inner
+        states come always, as from fairseq's transformer)"""
         x, extra = self.extract_features(
             prev_output_tokens, encoder_out, incremental_state, alignment_layer, alignment_heads)
         if not features_only:
