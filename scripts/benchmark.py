@@ -70,10 +70,12 @@ import time
 
 from fairseq_plugin.cli.common import fairseq_cli, plugin_dir
 
-# the scripts beside this one (cuda_peak, fairseq_bf16), also when it is loaded by its path
+# the scripts beside this one (cli_process, cuda_peak, fairseq_bf16), also when it is loaded by
+# its path
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, SCRIPTS)
-import cuda_peak  # noqa: E402  (imports nothing else; fairseq_bf16 imports fairseq: on demand)
+import cli_process  # noqa: E402  (cli_process and cuda_peak import nothing else;
+import cuda_peak  # noqa: E402  fairseq_bf16 imports fairseq: on demand)
 
 PRESETS = {  # layers, d_model, d_ff, heads
     "default": (4, 256, 1024, 4),
@@ -211,9 +213,10 @@ class Device:
                  + (IN_BF16 if self.precision == "bf16" else ""))
         if not setup:
             return cmd
-        return [sys.executable, "-c", "import runpy, sys, torch; sys.argv = sys.argv[1:]; "
-                f"sys.path.insert(0, {SCRIPTS!r}); {setup}"
-                "runpy.run_path(sys.argv[0], run_name='__main__')", *cmd]
+        # -X faulthandler: an abort prints each Python thread's stack (run_measured shows it)
+        return [sys.executable, "-X", "faulthandler", "-c", "import sys, torch; "
+                f"sys.argv = sys.argv[1:]; sys.path.insert(0, {SCRIPTS!r}); {setup}"
+                "import cli_process; cli_process.run(sys.argv[0])", *cmd]
 
     def peak_mb(self, out: str, rss_mb: float) -> float:
         if self.kind == "cpu":
@@ -243,6 +246,20 @@ def alternated(contestants, i):
     return contestants if i % 2 == 0 else contestants[::-1]
 
 
+ABORTED_AFTER_FINISHING = []  # the commands that did (names), for the summary
+
+
+def report_abort_after_finishing(name: str, out: str) -> None:
+    """A command that finished its work and then aborted in Python's shutdown (cli_process.py):
+    its figures stand; say so, with what faulthandler printed of its threads."""
+    ABORTED_AFTER_FINISHING.append(name)
+    dump = out[out.find("Fatal Python error"):] if "Fatal Python error" in out else ""
+    print(f"  note: {name} finished (exit status 0), then aborted in Python's shutdown (SIGABRT); "
+          "its figures are kept (scripts/cli_process.py)"
+          + ("; its threads at the abort:\n" + "\n".join(dump.splitlines()[:40]) if dump else ""),
+          flush=True)
+
+
 def run_measured(cmd, device=CPU):
     """Run a command; return (stdout + stderr, peak memory in MB)."""
     name = os.path.basename(str(cmd[0]))
@@ -256,7 +273,9 @@ def run_measured(cmd, device=CPU):
         proc.wait()
         raise
     proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
+    if proc.returncode == -signal.SIGABRT and cli_process.FINISHED in out:
+        report_abort_after_finishing(name, out)
+    elif proc.returncode != 0:
         sys.stderr.write(out[-3000:])
         raise SystemExit(f"benchmark: error: {name} failed (its output's end is above)")
     return out, device.peak_mb(out, usage.ru_maxrss / 1024.0)
@@ -904,6 +923,9 @@ def run(args, device, work):
     if ct2_tps:
         print(ratio_row("generation beam 5, tokens/s", "annotated_transformer exported to "
                         "CTranslate2", ct2_tps, theirs["gen_tps"]))
+    if ABORTED_AFTER_FINISHING:
+        print(f"\n{len(ABORTED_AFTER_FINISHING)} commands finished and then aborted in Python's "
+              f"shutdown, their figures kept (notes above): {', '.join(ABORTED_AFTER_FINISHING)}")
     if complete < args.rounds:
         raise SystemExit(f"benchmark: stopped after {complete} of {args.rounds} rounds (SIGTERM); "
                          "the table above gives those")

@@ -284,11 +284,16 @@ def test_bad_benchmark_options_are_one_error_line_before_any_work(args, message,
 def test_without_cudnn_attention_every_gpu_process_switches_it_off_before_fairseq_runs():
     bench = load_benchmark()
     command = bench.Device("cuda", "fp16", cudnn_attention=False).command(["fairseq-generate", "x"])
-    setup = command[2]
-    assert (setup.index("import runpy, sys, torch;") < setup.index(
-        "torch.backends.cuda.enable_cudnn_sdp(False);") < setup.index("runpy.run_path"))
-    assert command[3:] == ["fairseq-generate", "x"]
-    assert "enable_cudnn_sdp" not in bench.Device("cuda", "fp16").command(["x"])[2]
+    setup = setup_code(command)
+    assert (setup.index("import sys, torch;") < setup.index(
+        "torch.backends.cuda.enable_cudnn_sdp(False);") < setup.index("cli_process.run("))
+    assert command[-2:] == ["fairseq-generate", "x"]
+    assert "enable_cudnn_sdp" not in setup_code(bench.Device("cuda", "fp16").command(["x"]))
+
+
+def setup_code(command):
+    """The Python code that a benchmark's child process runs before fairseq's script (-c's)."""
+    return command[command.index("-c") + 1]
 
 
 def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsys):
@@ -339,10 +344,45 @@ def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsy
     assert counter.peak() == 350 * 2 ** 20
     bench = load_benchmark()
     assert bench.Device("cuda", "fp16").peak_mb(f"log\n{cuda_peak.PRINTED} 600.0\n", 0) == 600.0
-    setup = bench.Device("cuda", "fp16").command(["fairseq-train", "x"])[2]
+    setup = setup_code(bench.Device("cuda", "fp16").command(["fairseq-train", "x"]))
     assert (setup.index(f"sys.path.insert(0, {bench.SCRIPTS!r});")
             < setup.index("import cuda_peak; cuda_peak.switch_on();")
-            < setup.index("runpy.run_path"))
+            < setup.index("cli_process.run("))
+
+
+# fairseq CLI stand-ins: a command that finishes and then aborts in Python's shutdown (as fp16
+# fairseq-train did on an H100: scripts/cli_process.py), and two that fail
+ABORTS_AFTER_FINISHING = """
+import atexit, os
+print("done training")
+atexit.register(os.abort)  # SIGABRT after the script's end, as in the interpreter's shutdown
+"""
+ABORTS_BEFORE_FINISHING = "import os; print('training'); os.abort()"
+EXITS_WITH_STATUS_1 = "import sys; print('training'); sys.exit(1)"
+
+
+def test_a_command_that_finished_keeps_its_figures_through_an_abort_in_shutdown_and_says_so(
+        tmp_path, capsys):
+    """A child that ends its work (exit status 0) and then aborts while Python shuts down keeps
+    its output, with a note and a count; one that aborts or fails before its end is an error."""
+    bench = load_benchmark()
+    bench.ABORTED_AFTER_FINISHING.clear()
+    device = bench.Device("cpu", "fp32", cudnn_attention=False)  # the children's set-up code
+    scripts = {}
+    for name, code in (("finished-then-aborted", ABORTS_AFTER_FINISHING),
+                       ("aborted", ABORTS_BEFORE_FINISHING), ("failed", EXITS_WITH_STATUS_1)):
+        scripts[name] = tmp_path / name
+        scripts[name].write_text(code)
+    out, _ = bench.run_measured([scripts["finished-then-aborted"]], device)
+    assert "done training" in out
+    assert bench.ABORTED_AFTER_FINISHING == ["finished-then-aborted"]
+    note = capsys.readouterr().out
+    assert "finished-then-aborted finished (exit status 0), then aborted" in note
+    assert "Fatal Python error: Aborted" in note  # faulthandler's report of the threads
+    for name in ("aborted", "failed"):
+        with pytest.raises(SystemExit, match=f"benchmark: error: {name} failed"):
+            bench.run_measured([scripts[name]], device)
+    assert bench.ABORTED_AFTER_FINISHING == ["finished-then-aborted"]
 
 
 def commands_naming(text):
