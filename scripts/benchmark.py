@@ -29,8 +29,10 @@ default; --preset base|iwslt|multi30k|tiny for others.
 this one process take the same N batches, alternated step by step (the machine's drift falls on
 both alike); --profile-steps K adds torch.profiler's operators of K steps of each, alternated
 too, with the time and FLOPs of their matrix products. It also prints what each model's training
-forward keeps for backward and, on a GPU, what one training step holds at its peak beyond what
-was allocated before it (scripts/cuda_peak.py), on the batch with the most target padding.
+forward keeps for backward (in all, and by the operators that made it where the models differ
+most) and, on a GPU, what one training step holds at its peak beyond what was allocated before
+it (scripts/cuda_peak.py), on the batch with the most target padding and on the one with the
+most positions.
 
 --decoding-in-process times beam 5 of both models' first checkpoints in this process on the same
 sources, alternated, split into the time inside the model's per-step calls (decoder step,
@@ -359,25 +361,17 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
             seconds[name].append(time.perf_counter() - start)
     if profile_steps:
         print_profiles(trainers, samples[3:3 + profile_steps], device)
-    # the timed batch with the most target padding: where packing is on, if anywhere
-    padding = [float(s["target"].eq(trainers[OURS].task.target_dictionary.pad()).float().mean())
-               for s in samples[3:]]
-    most = max(range(len(padding)), key=padding.__getitem__)
-    kept = {name: kept_for_backward_mib(trainer, samples[3 + most])
-            for name, trainer in trainers.items()}
-    print(f"\nkept for backward by one training forward of the timed batch with the most target "
-          f"padding ({padding[most]:.1%}; distinct storages, parameters excluded): " + ", ".join(
-              f"{name} {mib:.1f} MiB" for name, mib in kept.items())
-          + f"; {OURS} / {THEIRS}: {kept[OURS] / kept[THEIRS]:.2f}x")
+    # the timed batch with the most target padding (where packing is on, if anywhere) and the
+    # one with the most positions (where a run's peak memory is likely)
+    pad = trainers[OURS].task.target_dictionary.pad()
+    padding = [float(s["target"].eq(pad).float().mean()) for s in samples[3:]]
+    positions = [s["target"].numel() + s["net_input"]["src_tokens"].numel() for s in samples[3:]]
     if memory is None and device.kind == "cuda":
         memory = cuda_peak.PeakCounter()
-    if memory is not None:
-        peak = {name: step_peak_mib(trainer, samples[3 + most], memory)
-                for name, trainer in trainers.items()}
-        print("held at its peak by one training step of that batch (forward, backward, update), "
-              "beyond what was allocated before it: " + ", ".join(
-                  f"{name} {mib:.1f} MiB" for name, mib in peak.items())
-              + f"; {OURS} / {THEIRS}: {peak[OURS] / peak[THEIRS]:.2f}x")
+    for label, figures in (("target padding", padding), ("positions", positions)):
+        most = max(range(len(figures)), key=figures.__getitem__)
+        print_memory(trainers, samples[3 + most], f"the timed batch with the most {label} "
+                     f"({padding[most]:.1%} target padding, {positions[most]} positions)", memory)
     return seconds
 
 
@@ -390,23 +384,54 @@ def step_peak_mib(trainer, sample, memory) -> float:
     return (memory.peak() - before) / 2 ** 20
 
 
-def kept_for_backward_mib(trainer, sample) -> float:
+def print_memory(trainers, sample, batch: str, memory=None, rows: int = 8) -> None:
+    """What each model's training forward of ``sample`` keeps for backward, in all and by the
+    operators that made it (the ``rows`` where the models differ most), and with ``memory`` (on
+    a GPU, a cuda_peak.PeakCounter) what one training step of it holds at its peak."""
+    kept = {name: kept_for_backward(trainer, sample) for name, trainer in trainers.items()}
+    mib = {name: sum(by_maker.values()) for name, by_maker in kept.items()}
+    print(f"\nkept for backward by one training forward of {batch} (distinct storages, parameters "
+          "excluded): " + ", ".join(f"{name} {m:.1f} MiB" for name, m in mib.items())
+          + f"; {OURS} / {THEIRS}: {mib[OURS] / mib[THEIRS]:.2f}x")
+    makers = sorted(set(kept[OURS]) | set(kept[THEIRS]),
+                    key=lambda k: -abs(kept[OURS].get(k, 0.0) - kept[THEIRS].get(k, 0.0)))
+    print(f"| made by (grad_fn, dtype) | {OURS}, MiB | {THEIRS}, MiB |\n|---|---|---|")
+    for maker in makers[:rows]:
+        print(f"| {maker} | {kept[OURS].get(maker, 0.0):.1f} | {kept[THEIRS].get(maker, 0.0):.1f} |")
+    if memory is not None:
+        peak = {name: step_peak_mib(trainer, sample, memory) for name, trainer in trainers.items()}
+        print("held at its peak by one training step of that batch (forward, backward, update), "
+              "beyond what was allocated before it: " + ", ".join(
+                  f"{name} {m:.1f} MiB" for name, m in peak.items())
+              + f"; {OURS} / {THEIRS}: {peak[OURS] / peak[THEIRS]:.2f}x")
+
+
+def kept_for_backward(trainer, sample) -> dict:
     """MiB of activations that autograd keeps for the backward of one training forward (model
-    and criterion) of ``sample``: most of what training holds at its peak beyond the parameters
-    and the optimizer's state."""
+    and criterion) of ``sample`` (most of what training holds at its peak beyond the parameters
+    and the optimizer's state), by what made each tensor: {"its grad_fn's name dtype": MiB}
+    ("no grad": made outside autograd, e.g. a dropout mask)."""
     import torch
 
     sample = trainer._prepare_sample(sample)[0]
     storages = {}
 
     def keep(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        maker = type(t.grad_fn).__name__ if t.grad_fn is not None else (
+            "leaf" if t.requires_grad else "no grad")
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = (storage.nbytes(),
+                                        f"{maker} {str(t.dtype).replace('torch.', '')}")
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         trainer.criterion(trainer.model, sample)
     parameters = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
-    return sum(n for ptr, n in storages.items() if ptr not in parameters) / 2 ** 20
+    by_maker = {}
+    for ptr, (n_bytes, maker) in storages.items():
+        if ptr not in parameters:
+            by_maker[maker] = by_maker.get(maker, 0.0) + n_bytes / 2 ** 20
+    return by_maker
 
 
 def step_ratio_line(name, ours, theirs):

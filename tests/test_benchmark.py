@@ -125,8 +125,8 @@ def test_steps_in_process_time_the_models_and_profile_their_matrix_products(tmp_
     assert 0 < gflop["annotated_transformer"] < gflop["annotated_transformer without packing"]
     # and the activations kept for backward, with the ratio of the figures beside it
     kept = re.search(r"\nkept for backward by one training forward of the timed batch with "
-                     r"the most target padding \([\d.]+%; distinct storages, parameters "
-                     r"excluded\): annotated_transformer "
+                     r"the most target padding \([\d.]+% target padding, \d+ positions\) "
+                     r"\(distinct storages, parameters excluded\): annotated_transformer "
                      r"([\d.]+) MiB, transformer ([\d.]+) MiB, annotated_transformer without "
                      r"packing ([\d.]+) MiB; annotated_transformer / transformer: ([\d.]+)x\n",
                      out)
@@ -134,6 +134,34 @@ def test_steps_in_process_time_the_models_and_profile_their_matrix_products(tmp_
     ours, theirs, unpacked, ratio = map(float, kept.groups())
     assert ours > 0 and theirs > 0 and unpacked > 0
     assert abs(ratio - ours / theirs) <= 0.006
+    # then by the operators that made it, and the same for the batch with the most positions
+    assert "\n| made by (grad_fn, dtype) | annotated_transformer, MiB | transformer, MiB |\n" in out
+    assert ("\nkept for backward by one training forward of the timed batch with the most "
+            "positions (") in out
+
+
+def test_what_is_kept_for_backward_is_counted_once_per_storage_by_the_operator_that_made_it():
+    """kept_for_backward: each saved storage once, parameters (and views of them) excluded, under
+    the grad_fn (and dtype) of the tensor saved. A stand-in trainer: relu(x W^T) * m + x * W[0],
+    summed; x is a leaf used twice, m is made outside autograd."""
+    bench = load_benchmark()
+
+    class Trainer:
+        model = torch.nn.Linear(256, 256, bias=False)
+
+        @staticmethod
+        def criterion(model, sample):
+            x, m = sample["x"], sample["m"]
+            return (torch.relu(model(x)) * m).sum() + (x * model.weight[0]).sum()
+
+        @staticmethod
+        def _prepare_sample(sample):
+            return sample, False
+
+    x = torch.ones(1024, 256, requires_grad=True)  # 1 MiB
+    kept = bench.kept_for_backward(Trainer(), {"x": x, "m": torch.rand(1024, 256)})
+    # x (kept by both products), relu's output and m, 1 MiB each; W^T and W[0] are parameters'
+    assert kept == {"leaf float32": 1.0, "ReluBackward0 float32": 1.0, "no grad float32": 1.0}
 
 
 def test_steps_in_process_read_each_models_step_peak_around_one_training_step(
@@ -166,10 +194,13 @@ def test_steps_in_process_read_each_models_step_peak_around_one_training_step(
 
     bench.steps_in_process(str(data_bin), "tiny", 1024, 2, memory=Recorder())
     out = capsys.readouterr().out
-    assert Recorder.readings == ["AnnotatedTransformerModel", "TransformerModel"]
-    assert ("\nheld at its peak by one training step of that batch (forward, backward, update), "
-            "beyond what was allocated before it: annotated_transformer 10.0 MiB, transformer "
-            "11.0 MiB; annotated_transformer / transformer: 0.91x\n") in out, out[-2000:]
+    # two batches (the most target padding, the most positions), each model's step on each
+    assert Recorder.readings == ["AnnotatedTransformerModel", "TransformerModel"] * 2
+    for ours, theirs, ratio in ((10, 11, 0.91), (12, 13, 0.92)):
+        assert ("\nheld at its peak by one training step of that batch (forward, backward, "
+                f"update), beyond what was allocated before it: annotated_transformer {ours}.0 "
+                f"MiB, transformer {theirs}.0 MiB; annotated_transformer / transformer: "
+                f"{ratio}x\n") in out, out[-2000:]
     assert "held at its peak" not in benchmark("--steps-in-process", "1", work=tmp_path / "w")
 
 
