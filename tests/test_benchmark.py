@@ -384,9 +384,10 @@ def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsy
 # fairseq CLI stand-ins: a command that finishes and then aborts in Python's shutdown (as fp16
 # fairseq-train did on an H100: scripts/cli_process.py), and two that fail
 ABORTS_AFTER_FINISHING = """
-import atexit, os
+import atexit, os, queue, threading
 print("done training")
 atexit.register(os.abort)  # SIGABRT after the script's end, as in the interpreter's shutdown
+threading.Thread(target=queue.Queue().get, name="waiting", daemon=True).start()
 """
 ABORTS_BEFORE_FINISHING = "import os; print('training'); os.abort()"
 EXITS_WITH_STATUS_1 = "import sys; print('training'); sys.exit(1)"
@@ -410,6 +411,9 @@ def test_a_command_that_finished_keeps_its_figures_through_an_abort_in_shutdown_
     note = capsys.readouterr().out
     assert "finished-then-aborted finished (exit status 0), then aborted" in note
     assert "Fatal Python error: Aborted" in note  # faulthandler's report of the threads
+    # the threads alive when the script had finished, and where
+    assert re.search(r"\ncli_process: threads alive at the end: waiting \(daemon\), at "
+                     r"\S+\.py:\d+ in \w+\n", out), out
     for name in ("aborted", "failed"):
         with pytest.raises(SystemExit, match=f"benchmark: error: {name} failed"):
             bench.run_measured([scripts[name]], device)
