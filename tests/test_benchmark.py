@@ -399,7 +399,7 @@ def test_a_command_that_finished_keeps_its_figures_through_an_abort_in_shutdown_
     its output, with a note and a count; one that aborts or fails before its end is an error."""
     bench = load_benchmark()
     bench.ABORTED_AFTER_FINISHING.clear()
-    device = bench.Device("cpu", "fp32", cudnn_attention=False)  # the children's set-up code
+    device = bench.Device("cpu", "bf16")  # a child with set-up code (fairseq_bf16), as on a GPU
     scripts = {}
     for name, code in (("finished-then-aborted", ABORTS_AFTER_FINISHING),
                        ("aborted", ABORTS_BEFORE_FINISHING), ("failed", EXITS_WITH_STATUS_1)):
