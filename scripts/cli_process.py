@@ -37,7 +37,8 @@ def run(path: str) -> None:
 
 
 def other_threads():
-    """The running threads but this one: "name (daemon), at file:line in function" each."""
+    """The running threads but this one: "name (its class, daemon), at file:line in function"
+    each."""
     frames = sys._current_frames()
     for thread in threading.enumerate():
         if thread is threading.current_thread():
@@ -45,4 +46,5 @@ def other_threads():
         frame = frames.get(thread.ident)
         where = (f"at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in "
                  f"{frame.f_code.co_name}" if frame is not None else "no Python frame")
-        yield f"{thread.name} ({'daemon' if thread.daemon else 'not daemon'}), {where}"
+        yield (f"{thread.name} ({type(thread).__name__}, "
+               f"{'daemon' if thread.daemon else 'not daemon'}), {where}")
