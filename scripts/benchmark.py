@@ -31,8 +31,9 @@ both alike); --profile-steps K adds torch.profiler's operators of K steps of eac
 too, with the time and FLOPs of their matrix products. It also prints what each model's training
 forward keeps for backward (in all, and by the operators that made it where the models differ
 most) and, on a GPU, what one training step holds at its peak beyond what was allocated before
-it (scripts/cuda_peak.py), on the batch with the most target padding and on the one with the
-most positions.
+it and what is live then by the line that allocated it (scripts/cuda_peak.py), on the batch with
+the most target padding and on the one with the most positions. On a GPU each training run's
+line also says in which step its peak came and what stayed allocated between steps.
 
 --decoding-in-process times beam 5 of both models' first checkpoints in this process on the same
 sources, alternated, split into the time inside the model's per-step calls (decoder step,
@@ -223,7 +224,17 @@ class Device:
     def peak_mb(self, out: str, rss_mb: float) -> float:
         if self.kind == "cpu":
             return rss_mb
-        return float(out.rsplit(cuda_peak.PRINTED + " ", 1)[1].split()[0])
+        return float(self.peak_line(out).split()[0])
+
+    def peak_where(self, out: str) -> str:
+        """On a GPU, when a training command's peak came and what was allocated between its steps
+        (cuda_peak.PeakCounter.where): whether a gap is in the steps or in what stays."""
+        return "" if self.kind == "cpu" else self.peak_line(out).split(None, 1)[1]
+
+    @staticmethod
+    def peak_line(out: str) -> str:
+        """The end of cuda_peak's line at exit: 'MiB when...'."""
+        return out.rsplit(cuda_peak.PRINTED + " ", 1)[1].splitlines()[0]
 
 
 CPU = Device()
@@ -295,7 +306,7 @@ def training_flags(data_bin, arch, preset, max_tokens, user_dir, device=CPU):
 def train_run(data_bin, arch, preset, save_dir, updates, max_tokens, user_dir, device=CPU,
               model_flags=()):
     """fairseq-train for ``updates`` updates (``model_flags``: more of the model's flags, which the
-    checkpoint keeps for generation): (target words/s, peak MB)."""
+    checkpoint keeps for generation): (target words/s, peak MB, on a GPU when the peak came)."""
     out, rss = run_measured([
         fairseq_cli("fairseq-train"),
         *training_flags(data_bin, arch, preset, max_tokens, user_dir, device), *model_flags,
@@ -306,7 +317,7 @@ def train_run(data_bin, arch, preset, save_dir, updates, max_tokens, user_dir, d
            for line in out.splitlines() if "train_inner" in line and "{" in line]
     if len(wps) < 2:
         raise SystemExit("benchmark: error: too few logged intervals; raise --train-updates")
-    return statistics.median(wps[1:]), rss
+    return statistics.median(wps[1:]), rss, device.peak_where(out)
 
 
 def fairseq_trainer(flags):
@@ -387,7 +398,8 @@ def step_peak_mib(trainer, sample, memory) -> float:
 def print_memory(trainers, sample, batch: str, memory=None, rows: int = 8) -> None:
     """What each model's training forward of ``sample`` keeps for backward, in all and by the
     operators that made it (the ``rows`` where the models differ most), and with ``memory`` (on
-    a GPU, a cuda_peak.PeakCounter) what one training step of it holds at its peak."""
+    a GPU, a cuda_peak.PeakCounter) what one training step of it holds at its peak, and what is
+    live then by the line that allocated it (one more step of each)."""
     kept = {name: kept_for_backward(trainer, sample) for name, trainer in trainers.items()}
     mib = {name: sum(by_maker.values()) for name, by_maker in kept.items()}
     print(f"\nkept for backward by one training forward of {batch} (distinct storages, parameters "
@@ -404,6 +416,22 @@ def print_memory(trainers, sample, batch: str, memory=None, rows: int = 8) -> No
               "beyond what was allocated before it: " + ", ".join(
                   f"{name} {m:.1f} MiB" for name, m in peak.items())
               + f"; {OURS} / {THEIRS}: {peak[OURS] / peak[THEIRS]:.2f}x")
+        for name, trainer in trainers.items():
+            print_live_at_peak(name, *memory.live_at_peak_of(lambda: trainer.train_step([sample])),
+                               rows=rows)
+
+
+def print_live_at_peak(name: str, peak: int, by_line: dict, rows: int = 8) -> None:
+    """What was live at the peak of one training step (cuda_peak.live_at_peak): the ``rows``
+    lines that had allocated the most then, and the rest together."""
+    top = sorted(by_line.items(), key=lambda item: -abs(item[1]))
+    print(f"live at the peak of {name}'s step ({peak / 2 ** 20:.1f} MiB beyond what was "
+          "allocated before it), by the line that allocated it:\n| MiB | allocated at |\n|---|---|")
+    for line, n_bytes in top[:rows]:
+        print(f"| {n_bytes / 2 ** 20:.1f} | {line} |")
+    if len(top) > rows:
+        rest = sum(n_bytes for _, n_bytes in top[rows:])
+        print(f"| {rest / 2 ** 20:.1f} | {len(top) - rows} other lines |")
 
 
 def kept_for_backward(trainer, sample) -> dict:
@@ -896,8 +924,9 @@ def run(args, device, work):
             for name, arch, user_dir, flags in alternated(contestants, r):
                 save = os.path.join(work, f"{folder_name(name)}-round{r}")
                 started = time.perf_counter()
-                wps, mb = train_run(data_bin, arch, args.preset, save, args.train_updates,
-                                    args.max_tokens, user_dir, device, flags)
+                wps, mb, peak_where = train_run(data_bin, arch, args.preset, save,
+                                                args.train_updates, args.max_tokens, user_dir,
+                                                device, flags)
                 trained = time.perf_counter()
                 tps, gen_mb = generate_run(gen_bin, os.path.join(save, "checkpoint_last.pt"),
                                            args.gen_length, args.max_tokens, user_dir, n_decoded,
@@ -910,7 +939,9 @@ def run(args, device, work):
                 res["gen_mb"].append(gen_mb)
                 print(f"  round {r + 1} {name:30s} train {wps:8.0f} wps {mb:6.0f} MB   "
                       f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB   (the commands took "
-                      f"{train_s:.0f} s and {generate_s:.0f} s)", flush=True)
+                      f"{train_s:.0f} s and {generate_s:.0f} s)"
+                      + (f"\n          training peak {peak_where}" if peak_where else ""),
+                      flush=True)
                 if name == OURS and not args.skip_ctranslate2:
                     ct2, per_hyp, mb = ctranslate2_run(
                         gen_bin, os.path.join(save, "checkpoint_last.pt"), args.gen_length,

@@ -192,6 +192,14 @@ def test_steps_in_process_read_each_models_step_peak_around_one_training_step(
             self.readings.append(type(steps[-1]).__name__)
             return 1000 * 2 ** 20 + (10 + len(self.readings) - 1) * 2 ** 20
 
+        def live_at_peak_of(self, work):  # cuda_peak.PeakCounter's: one step of the model
+            before = len(steps)
+            work()
+            assert len(steps) == before + 1
+            model = type(steps[-1]).__name__
+            return 3 * 2 ** 20, {f"{model}.py:1 forward": 2 * 2 ** 20, "(before)": 2 ** 19,
+                                 **{f"small.py:{i} f": 2 ** 17 for i in range(8)}}
+
     bench.steps_in_process(str(data_bin), "tiny", 1024, 2, memory=Recorder())
     out = capsys.readouterr().out
     # two batches (the most target padding, the most positions), each model's step on each
@@ -201,6 +209,15 @@ def test_steps_in_process_read_each_models_step_peak_around_one_training_step(
                 f"update), beyond what was allocated before it: annotated_transformer {ours}.0 "
                 f"MiB, transformer {theirs}.0 MiB; annotated_transformer / transformer: "
                 f"{ratio}x\n") in out, out[-2000:]
+    # then what was live at each model's peak, by line: the 8 largest, then the rest together
+    for model, name in (("AnnotatedTransformerModel", "annotated_transformer"),
+                        ("TransformerModel", "transformer")):
+        table = (f"live at the peak of {name}'s step (3.0 MiB beyond what was allocated before "
+                 "it), by the line that allocated it:\n| MiB | allocated at |\n|---|---|\n"
+                 f"| 2.0 | {model}.py:1 forward |\n| 0.5 | (before) |\n"
+                 + "".join(f"| 0.1 | small.py:{i} f |\n" for i in range(6))
+                 + "| 0.2 | 2 other lines |\n")
+        assert out.count(table) == 2, out[-3000:]  # on both batches
     assert "held at its peak" not in benchmark("--steps-in-process", "1", work=tmp_path / "w")
 
 
@@ -366,7 +383,9 @@ def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsy
     assert cuda.max_memory_allocated() == 100 * 2 ** 20  # the counter alone lost the steps
     assert counter.peak() == 600 * 2 ** 20
     at_exit[0]()
-    assert capsys.readouterr().out == "cuda peak MB 600.0\n"
+    # when: fairseq resets the counter after every step, so the 500 came in step 2 of 3
+    assert capsys.readouterr().out == ("cuda peak MB 600.0 in training step 2 of 3; 100.0 MB "
+                                       "allocated between steps\n")
     # around one step (step_peak_mib): from what is allocated at its start, the reset inside
     assert counter.start() == 100 * 2 ** 20
     cuda.use(250 * 2 ** 20)
@@ -374,11 +393,111 @@ def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsy
     cuda.reset_peak_memory_stats()
     assert counter.peak() == 350 * 2 ** 20
     bench = load_benchmark()
-    assert bench.Device("cuda", "fp16").peak_mb(f"log\n{cuda_peak.PRINTED} 600.0\n", 0) == 600.0
+    gpu = bench.Device("cuda", "fp16")
+    out = f"log\n{cuda_peak.PRINTED} 600.0 in training step 2 of 3; 100.0 MB allocated\nend\n"
+    assert gpu.peak_mb(out, 0) == 600.0
+    assert gpu.peak_where(out) == "in training step 2 of 3; 100.0 MB allocated"
+    assert bench.CPU.peak_mb(out, 7.0) == 7.0 and bench.CPU.peak_where(out) == ""
     setup = setup_code(bench.Device("cuda", "fp16").command(["fairseq-train", "x"]))
     assert (setup.index(f"sys.path.insert(0, {bench.SCRIPTS!r});")
             < setup.index("import cuda_peak; cuda_peak.switch_on();")
             < setup.index("cli_process.run("))
+
+
+class StandInAllocator:
+    """torch.cuda's counters and memory history as cuda_peak uses them, for tests: ``use`` makes
+    or frees a block (at an address, allocated at a given line) and records it while recording."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+        self.recording, self.trace, self.blocks = False, [], {}
+        self.memory = self  # torch.cuda.memory's two functions are on this object too
+
+    def synchronize(self):
+        pass
+
+    def current_device(self):
+        return 0
+
+    def memory_allocated(self):
+        return self.allocated
+
+    def max_memory_allocated(self):
+        return self.peak
+
+    def reset_peak_memory_stats(self):
+        self.peak = self.allocated
+
+    def _record_memory_history(self, enabled="all", stacks="all"):
+        self.recording = enabled is not None
+
+    def _snapshot(self):
+        self.trace.append({"action": "snapshot"})  # as torch's, which notes each snapshot
+        return {"device_traces": [list(self.trace)]}
+
+    def use(self, addr, n_bytes=None, line=("model.py", 1, "forward")):
+        """A block of ``n_bytes`` made at ``addr``; without n_bytes, the one there freed."""
+        if n_bytes is None:
+            n_bytes = -self.blocks.pop(addr)
+            entry = {"action": "free_requested", "addr": addr, "size": -n_bytes, "frames": []}
+        else:
+            self.blocks[addr] = n_bytes
+            torch_frame = {"filename": f"{os.sep}x{os.sep}torch{os.sep}nn{os.sep}f.py", "line": 9,
+                           "name": "linear"}
+            entry = {"action": "alloc", "addr": addr, "size": n_bytes, "frames": [
+                torch_frame, {"filename": line[0], "line": line[1], "name": line[2]}]}
+        self.allocated += n_bytes
+        self.peak = max(self.peak, self.allocated)
+        if self.recording:
+            self.trace.append(entry)
+
+
+def test_the_gpu_peak_after_the_last_step_and_without_steps_says_so(monkeypatch, capsys):
+    cuda_peak = load_script("cuda_peak")
+    cuda = StandInAllocator()
+    counter = cuda_peak.PeakCounter(cuda)
+    counter.start()
+    assert counter.where() == "(no training step)"  # e.g. fairseq-generate
+    cuda.use(1, 300)
+    cuda.reset_peak_memory_stats()  # step 1 ends, 300 bytes stay
+    cuda.use(2, 2 ** 20)  # saving, after the last step
+    assert counter.where() == "after the last training step; 0.0 MB allocated between steps"
+
+
+def test_live_at_peak_names_the_lines_live_at_the_peak_of_a_recorded_step():
+    """PeakCounter.live_at_peak_of records torch.cuda's memory history around the work and
+    replays it: the peak beyond what was allocated before, and what was live then by the line
+    outside torch that allocated it; memory allocated before and freed during the work counts
+    negative, so the peak falls where the allocator's did. A stand-in for torch.cuda here."""
+    cuda_peak = load_script("cuda_peak")
+    cuda = StandInAllocator()
+    counter = cuda_peak.PeakCounter(cuda)
+    cuda._record_memory_history("all")  # an earlier recording: not part of the work's
+    cuda.use(100, 4000, ("old.py", 1, "f"))
+    cuda._record_memory_history(None)
+    cuda.use(200, 1000)  # before the work (a gradient freed during it)
+
+    def work():
+        cuda.use(200)  # -1000
+        cuda.use(1, 3000, (f"{os.sep}a{os.sep}fairseq_plugin{os.sep}modules{os.sep}attention.py",
+                           50, "forward"))
+        cuda.use(2, 500, ("layers.py", 7, "forward"))
+        cuda.use(3, 1500, ("layers.py", 7, "forward"))  # the peak: 3000 + 2000 - 1000 = 4000
+        cuda.use(1)
+        cuda.use(4, 3500, ("loss.py", 3, "backward"))  # the peak: 2000 + 3500 - 1000 = 4500
+        cuda.use(4)
+        cuda.use(2)
+
+    peak, live = counter.live_at_peak_of(work)
+    assert not cuda.recording
+    assert peak == 4500  # after freeing 1: layers 2000, loss 3500, the freed gradient -1000
+    assert live == {"layers.py:7 forward": 2000, "loss.py:3 backward": 3500,
+                    cuda_peak.BEFORE: -1000}
+    # frames inside torch are passed over; the path is cut to its last three parts
+    attention = next(e for e in cuda.trace if e.get("addr") == 1 and e["action"] == "alloc")
+    assert cuda_peak.allocating_line(attention["frames"]) == (
+        "fairseq_plugin/modules/attention.py:50 forward")
+    assert cuda_peak.allocating_line([]) == cuda_peak.NO_FRAME
 
 
 # fairseq CLI stand-ins: a command that finishes and then aborts in Python's shutdown (as fp16

@@ -7,6 +7,7 @@ precision.
 """
 
 import contextlib
+import inspect
 import os
 
 import pytest
@@ -21,6 +22,7 @@ from fairseq_plugin.modules import dropout
 from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, NO_CUDNN, TORCH_CHOICE,
                                               MultiHeadedAttention)
 from fairseq_plugin.testing.recomputing import without_cache
+from test_benchmark import load_script
 from test_distributed import check_two_ranks_equal_one_rank_with_update_freq_2, ddp_data_bin
 
 # ANNOTATED_TEST_DEVICE=cpu runs the same tests on the CPU (to check the tests themselves)
@@ -182,6 +184,30 @@ def test_training_on_cuda_uses_torch_dropout_and_the_fused_kernel(monkeypatch):
     assert calls["fused with dropout"] == 6
     on_cpu = DEVICE == "cpu"
     assert (calls["cpu mask"], calls["torch dropout"]) == ((12, 0) if on_cpu else (0, 12))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch.cuda's memory history needs a CUDA GPU")
+def test_memory_history_names_the_lines_live_at_the_peak_on_cuda(monkeypatch):
+    """The benchmark's profile step (cuda_peak.PeakCounter.live_at_peak_of) on torch.cuda's own
+    memory history: the peak beyond what was allocated before, by the line that allocated."""
+    cuda_peak = load_script("cuda_peak")
+    # PeakCounter wraps torch.cuda.reset_peak_memory_stats; monkeypatch puts it back afterwards
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", torch.cuda.reset_peak_memory_stats)
+    counter = cuda_peak.PeakCounter()
+    kept, lines = [], []
+
+    def work():
+        lines.append(inspect.currentframe().f_lineno + 1)
+        freed = torch.empty(2 ** 20, device="cuda")  # 4 MiB
+        lines.append(inspect.currentframe().f_lineno + 1)
+        kept.append(torch.empty(2 ** 21, device="cuda"))  # 8 MiB, the peak: 12 MiB
+        del freed
+
+    peak, live = counter.live_at_peak_of(work)
+    assert peak == 12 * 2 ** 20
+    # (the line's path ends in the checkout's folder, tests/test_cuda.py)
+    assert {line.split("/", 1)[1]: n_bytes for line, n_bytes in live.items()} == {
+        f"tests/test_cuda.py:{line} work": n * 2 ** 20 for line, n in zip(lines, (4, 8))}
 
 
 @pytest.fixture(scope="module")
