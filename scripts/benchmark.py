@@ -379,10 +379,15 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
     positions = [s["target"].numel() + s["net_input"]["src_tokens"].numel() for s in samples[3:]]
     if memory is None and device.kind == "cuda":
         memory = cuda_peak.PeakCounter()
+    batches = {}
     for label, figures in (("target padding", padding), ("positions", positions)):
         most = max(range(len(figures)), key=figures.__getitem__)
+        batches[f"the timed batch with the most {label}"] = samples[3 + most]
         print_memory(trainers, samples[3 + most], f"the timed batch with the most {label} "
                      f"({padding[most]:.1%} target padding, {positions[most]} positions)", memory)
+    if memory is not None:  # last: it records torch.cuda's memory history (slower steps)
+        for batch, sample in batches.items():
+            print_live_at_peak(trainers, sample, batch, memory)
     return seconds
 
 
@@ -398,8 +403,7 @@ def step_peak_mib(trainer, sample, memory) -> float:
 def print_memory(trainers, sample, batch: str, memory=None, rows: int = 8) -> None:
     """What each model's training forward of ``sample`` keeps for backward, in all and by the
     operators that made it (the ``rows`` where the models differ most), and with ``memory`` (on
-    a GPU, a cuda_peak.PeakCounter) what one training step of it holds at its peak, and what is
-    live then by the line that allocated it (one more step of each)."""
+    a GPU, a cuda_peak.PeakCounter) what one training step of it holds at its peak."""
     kept = {name: kept_for_backward(trainer, sample) for name, trainer in trainers.items()}
     mib = {name: sum(by_maker.values()) for name, by_maker in kept.items()}
     print(f"\nkept for backward by one training forward of {batch} (distinct storages, parameters "
@@ -416,22 +420,23 @@ def print_memory(trainers, sample, batch: str, memory=None, rows: int = 8) -> No
               "beyond what was allocated before it: " + ", ".join(
                   f"{name} {m:.1f} MiB" for name, m in peak.items())
               + f"; {OURS} / {THEIRS}: {peak[OURS] / peak[THEIRS]:.2f}x")
-        for name, trainer in trainers.items():
-            print_live_at_peak(name, *memory.live_at_peak_of(lambda: trainer.train_step([sample])),
-                               rows=rows)
 
 
-def print_live_at_peak(name: str, peak: int, by_line: dict, rows: int = 8) -> None:
-    """What was live at the peak of one training step (cuda_peak.live_at_peak): the ``rows``
-    lines that had allocated the most then, and the rest together."""
-    top = sorted(by_line.items(), key=lambda item: -abs(item[1]))
-    print(f"live at the peak of {name}'s step ({peak / 2 ** 20:.1f} MiB beyond what was "
-          "allocated before it), by the line that allocated it:\n| MiB | allocated at |\n|---|---|")
-    for line, n_bytes in top[:rows]:
-        print(f"| {n_bytes / 2 ** 20:.1f} | {line} |")
-    if len(top) > rows:
-        rest = sum(n_bytes for _, n_bytes in top[rows:])
-        print(f"| {rest / 2 ** 20:.1f} | {len(top) - rows} other lines |")
+def print_live_at_peak(trainers, sample, batch: str, memory, rows: int = 8) -> None:
+    """What is live at the peak of one more training step of ``sample`` by each model
+    (``memory``: a cuda_peak.PeakCounter, live_at_peak_of): the ``rows`` lines that had allocated
+    the most then, and the rest together."""
+    for name, trainer in trainers.items():
+        peak, by_line = memory.live_at_peak_of(lambda: trainer.train_step([sample]))
+        top = sorted(by_line.items(), key=lambda item: -abs(item[1]))
+        print(f"\nlive at the peak of {name}'s step of {batch} ({peak / 2 ** 20:.1f} MiB beyond "
+              "what was allocated before it), by the line that allocated it:\n"
+              "| MiB | allocated at |\n|---|---|")
+        for line, n_bytes in top[:rows]:
+            print(f"| {n_bytes / 2 ** 20:.1f} | {line} |")
+        if len(top) > rows:
+            rest = sum(n_bytes for _, n_bytes in top[rows:])
+            print(f"| {rest / 2 ** 20:.1f} | {len(top) - rows} other lines |")
 
 
 def kept_for_backward(trainer, sample) -> dict:
