@@ -58,6 +58,7 @@ the ratios.
 """
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -336,14 +337,13 @@ def fairseq_trainer(flags):
 
 
 def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, device=CPU,
-                     without_packing=False, memory=None):
+                     without_packing=False, memory=None, gpu_paths=False):
     """Training steps of both models in one process on the same batches, alternated step by step
     (A B, B A, ...), so that the machine's drift falls on both alike. Returns {name: [seconds of
     each step]}; with ``profile_steps``, then profiles that many steps of each (print_profiles).
     ``without_packing`` adds annotated_transformer computing padding too (NO_PACKING). ``memory``
-    (on a GPU, cuda_peak.PeakCounter) reads what one step holds at its peak (step_peak_mib)."""
-    import torch
-
+    (on a GPU, cuda_peak.PeakCounter) reads what one step holds at its peak (step_peak_mib).
+    ``gpu_paths``: our models take a GPU's paths on the CPU (gpu_paths_on_cpu)."""
     flags = {arch: training_flags(data_bin, arch, preset, max_tokens, plugin_dir(), device)
              for arch in (OURS, THEIRS)}
     trainers = {arch: fairseq_trainer(flags[arch]) for arch in (OURS, THEIRS)}
@@ -351,6 +351,36 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
         trainers[NO_PACKING] = fairseq_trainer(flags[OURS])
         model = trainers[NO_PACKING].model
         model.encoder.skip_padding = model.decoder.skip_padding = False
+    with gpu_paths_on_cpu(trainers) if gpu_paths else contextlib.nullcontext():
+        return alternated_steps(trainers, max_tokens, steps, profile_steps, device, memory)
+
+
+@contextlib.contextmanager
+def gpu_paths_on_cpu(trainers):
+    """Inside, our models (all but fairseq's) take on the CPU the paths they take on a GPU, so
+    that what they keep for backward is as there (--gpu-paths-on-cpu): torch's dropout, as
+    fairseq's transformer has, instead of the CPU's cheaper mask (modules/dropout.py), and
+    attention's handling of queries that may attend to no key where the fused kernel is not
+    certain to zero them (modules/attention.py)."""
+    from fairseq_plugin.modules import attention, dropout
+
+    for name, trainer in trainers.items():
+        if name != THEIRS:
+            for module in trainer.model.modules():
+                if isinstance(module, dropout.Dropout):
+                    module.cpu_mask = False
+    zeroes = attention.fused_kernel_zeroes_empty_rows
+    attention.fused_kernel_zeroes_empty_rows = lambda q: False
+    try:
+        yield
+    finally:
+        attention.fused_kernel_zeroes_empty_rows = zeroes
+
+
+def alternated_steps(trainers, max_tokens, steps, profile_steps, device, memory):
+    """steps_in_process's work, once its trainers are built."""
+    import torch
+
     batches = trainers[OURS].get_train_iterator(epoch=1).next_epoch_itr(shuffle=True)
     samples = list(itertools.islice(batches, 3 + steps))
     if len(samples) < 3 + steps:
@@ -820,6 +850,10 @@ def main(argv=None):
     p.add_argument("--without-packing", action="store_true",
                    help="with --steps-in-process: also time annotated_transformer computing the "
                         "padding (packing off), alternated with the others")
+    p.add_argument("--gpu-paths-on-cpu", action="store_true",
+                   help="with --steps-in-process on the CPU: annotated_transformer takes the paths "
+                        "it takes on a GPU (torch's dropout, attention's handling of queries with "
+                        "no key), so that what it keeps for backward is as there")
     p.add_argument("--decoding-in-process", action="store_true",
                    help="beam 5 of both first-round checkpoints in this process, alternated: the "
                         "time in the model's per-step calls and in SequenceGenerator, and "
@@ -834,8 +868,10 @@ def main(argv=None):
                         "chooses, which may be cuDNN on a GPU, instead of the default no-cudnn")
     p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if (args.profile_steps or args.without_packing) and args.steps_in_process is None:
-        p.error("--profile-steps and --without-packing go with --steps-in-process N")
+    if ((args.profile_steps or args.without_packing or args.gpu_paths_on_cpu)
+            and args.steps_in_process is None):
+        p.error("--profile-steps, --without-packing and --gpu-paths-on-cpu go with "
+                "--steps-in-process N")
     if args.profile_steps and args.profile_steps > args.steps_in_process:
         p.error(f"--profile-steps {args.profile_steps}: at most the {args.steps_in_process} steps "
                 f"of --steps-in-process")
@@ -847,6 +883,8 @@ def main(argv=None):
     if args.no_cudnn_attention and args.device == "cpu":
         p.error("--no-cudnn-attention: the cuDNN attention backend exists on a GPU only; add "
                 "--device cuda")
+    if args.gpu_paths_on_cpu and args.device != "cpu":
+        p.error("--gpu-paths-on-cpu: on a GPU the model takes them anyway; leave it out there")
     device = Device(args.device, args.precision or ("fp32" if args.device == "cpu" else "fp16"),
                     cudnn_attention=not args.no_cudnn_attention)
     if not device.cudnn_attention:  # in this process too (in-process steps and decoding)
@@ -895,13 +933,16 @@ def run(args, device, work):
                else first_test_sentences(data_bin, n_decoded, work))
     print(f"benchmark: preset {args.preset} {PRESETS[args.preset]} (layers, d_model, d_ff, "
           f"heads), {args.rounds} rounds, {device.kind} {device.precision}"
-          f"{'' if device.cudnn_attention else ' without cuDNN attention'}, data {data_bin}, "
+          f"{'' if device.cudnn_attention else ' without cuDNN attention'}"
+          f"{' (annotated_transformer on its GPU paths)' if args.gpu_paths_on_cpu else ''}, "
+          f"data {data_bin}, "
           f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}\n"
           f"training batches: {src_pad:.1%} source and {tgt_pad:.1%} target positions are "
           f"padding; decoding the first {n_decoded} of {n_test} test sentences", flush=True)
     if args.steps_in_process:
         seconds = steps_in_process(data_bin, args.preset, args.max_tokens, args.steps_in_process,
-                                   args.profile_steps, device, args.without_packing)
+                                   args.profile_steps, device, args.without_packing,
+                                   gpu_paths=args.gpu_paths_on_cpu)
         ours, theirs = seconds[OURS], seconds[THEIRS]
         print(f"\n{len(ours)} training steps each, alternated: {OURS} median "
               f"{1000 * statistics.median(ours):.0f} ms, {THEIRS} median "

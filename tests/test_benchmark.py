@@ -36,6 +36,46 @@ def benchmark(*args, work):
     return proc.stdout
 
 
+
+def test_gpu_paths_on_cpu_give_our_model_torchs_dropout_and_a_gpus_rows_without_keys(
+        tmp_path, monkeypatch):
+    """--gpu-paths-on-cpu: in --steps-in-process our model takes on the CPU the paths it takes
+    on a GPU (torch's dropout, not the CPU mask; attention's W^O bias for queries with no key,
+    where a GPU's kernel is not certain to zero them), so that what it keeps for backward is as
+    there, and the process's setting is restored after."""
+    from fairseq_plugin.modules import attention, dropout
+
+    bench = load_benchmark()
+    data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 20, "--test", 10)
+    calls = {"cpu mask": 0, "rows without keys handled": 0}
+    cpu_dropout, attend = dropout._CpuDropout.apply, attention.attend
+
+    def counted(name, function, counts=lambda result: True):
+        def wrapper(*args, **kwargs):
+            result = function(*args, **kwargs)
+            calls[name] += counts(result)
+            return result
+        return wrapper
+
+    monkeypatch.setattr(dropout._CpuDropout, "apply", counted("cpu mask", cpu_dropout))
+    monkeypatch.setattr(attention, "attend", counted(
+        "rows without keys handled", attend, lambda result: result[2] is not None))
+    zeroes = attention.fused_kernel_zeroes_empty_rows
+    bench.steps_in_process(str(data_bin), "tiny", 1024, 2, gpu_paths=True)
+    assert calls["cpu mask"] == 0
+    assert calls["rows without keys handled"] > 0  # the reverse task's sources are padded
+    assert attention.fused_kernel_zeroes_empty_rows is zeroes
+    calls.update({name: 0 for name in calls})
+    bench.steps_in_process(str(data_bin), "tiny", 1024, 2)  # the CPU's own paths
+    assert calls["cpu mask"] > 0
+    if zeroes(torch.zeros(1)):  # torch >= 2.5: the CPU's kernel zeroes such rows itself
+        assert calls["rows without keys handled"] == 0
+    proc = subprocess.run([sys.executable, BENCHMARK, "--device", "cuda", "--steps-in-process",
+                           "2", "--gpu-paths-on-cpu"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == ("benchmark.py: error: --gpu-paths-on-cpu: on a GPU "
+                                            "the model takes them anyway; leave it out there")
+
 @pytest.mark.skipif(FAIRSEQ_BREAKS_POST_LN, reason="fairseq 0.12.2's own transformer (post-LN) "
                     "cannot decode padded batches (fairseq #4858): the benchmark's generation "
                     "needs fairseq-fixed")
@@ -227,8 +267,9 @@ def test_step_options_without_steps_in_process_are_one_error_line():
     proc = subprocess.run([sys.executable, BENCHMARK, "--without-packing"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1] == ("benchmark.py: error: --profile-steps and "
-                                            "--without-packing go with --steps-in-process N")
+    assert proc.stderr.splitlines()[-1] == ("benchmark.py: error: --profile-steps, "
+                                            "--without-packing and --gpu-paths-on-cpu go with "
+                                            "--steps-in-process N")
 
 
 @pytest.mark.skipif(FAIRSEQ_BREAKS_POST_LN, reason="fairseq 0.12.2's own transformer (post-LN) "

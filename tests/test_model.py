@@ -13,6 +13,7 @@ from fairseq_plugin.modules.embeddings import SinusoidalPositionalEncoding
 from conftest import build_tiny_model, make_dictionary, random_tokens
 from fairseq_plugin.criterions.annotated_label_smoothing import AnnotatedLabelSmoothingCriterion
 from fairseq_plugin.errors import PluginError
+from fairseq_plugin.torch_release import TORCH_RELEASE
 
 
 def training_sample(d, batch=4, src_len=7, tgt_len=6):
@@ -683,6 +684,57 @@ def test_unpacking_keeps_only_the_positions_for_backward_not_a_copy_of_the_rows(
     assert torch.equal(out[real], x) and not out[~real].any()
     (out * torch.arange(30.0).view(2, 3, 5)).sum().backward()
     assert torch.equal(x.grad, torch.arange(30.0).view(6, 5)[real.reshape(-1)])
+
+
+def kept_storages_for_backward(run) -> dict:
+    """{storage address: bytes} of what autograd keeps for the backward of ``run()``."""
+    kept = {}
+
+    def keep(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        run()
+    return kept
+
+
+@pytest.mark.skipif(TORCH_RELEASE < (2, 5), reason="torch < 2.5's CPU kernel is the written-out "
+                    "formula, which keeps its weights and returns its output in another layout")
+@pytest.mark.parametrize("mask", ["causal", "padding", "padding, rows zeroed as on a GPU"])
+def test_attention_keeps_its_input_projections_and_kernel_output_nothing_twice(monkeypatch, mask):
+    """What attention keeps for backward in training: its input (the packed rows under packing),
+    the projections the kernel reads (unpacked), and the kernel's output, which is also W^O's
+    input (a view), not a copy of it packed or with rows zeroed. Where the fused kernel is not
+    certain to zero a query with no key (on a GPU), the row becomes W^O's bias after W^O, and
+    keeps nothing more; a fully padded source row is one here."""
+    from fairseq_plugin.modules import attention as attention_module
+    from fairseq_plugin.modules.attention import MultiHeadedAttention
+    from fairseq_plugin.modules.packing import NO_PACKING, RealPositions
+
+    if mask.endswith("GPU"):
+        monkeypatch.setattr(attention_module, "fused_kernel_zeroes_empty_rows", lambda q: False)
+    B, T, S, d = 4, 8, 6, 64
+    real = torch.ones(B, T, dtype=torch.bool)
+    real[1, 5:], real[3, 2:] = False, False  # right-padded targets
+    self_attention = mask == "causal"
+    attn = MultiHeadedAttention(4, d, self_attention=self_attention).train()
+    memory, key_mask = torch.randn(B, S, d), torch.ones(B, 1, 1, S, dtype=torch.bool)
+    key_mask[0, ..., 4:], key_mask[2] = False, False  # source 2: no key at all
+    for packing, rows in ((RealPositions(real), int(real.sum())), (NO_PACKING, B * T)):
+        query = packing.pack(torch.randn(B, T, d)).requires_grad_()
+        outputs = []
+        kept = kept_storages_for_backward(lambda: outputs.append(
+            attn(query, None, causal=True, packing=packing)[0] if self_attention
+            else attn(query, memory, mask=key_mask, packing=packing)[0]))
+        parameters = {p.untyped_storage().data_ptr() for p in attn.parameters()}
+        large = sum(n for ptr, n in kept.items()  # not masks, indices, statistics
+                    if n >= B * d * 4 and ptr not in parameters)
+        projections = 3 * B * T if self_attention else B * T + 3 * B * S  # Q K V / Q, memory, K V
+        assert large == (rows + projections + B * T) * d * 4, (mask, rows)
+        out = packing.unpack(outputs[0]) if packing is not NO_PACKING else outputs[0]
+        if not self_attention:  # no key: W^O of a zero row, its bias
+            assert torch.equal(out[2][real[2]], attn.out_proj.bias.expand(int(real[2].sum()), d))
 
 
 def test_a_checkpoint_from_before_the_redesign_translates_identically():

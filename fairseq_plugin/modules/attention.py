@@ -33,7 +33,8 @@ from .packing import NO_PACKING, Packing
 # mask allows no key (a left-padded target's padding); older versions return NaN there, in the
 # output and in the gradients. On a GPU the answer depends on the backend torch picks (a backend
 # that fills masked keys with a finite minimum instead of -inf returns the mean of the values).
-# Where zeros are not certain, we let such a query see every key and zero its row afterwards.
+# Where zeros are not certain, we let such a query see every key and give its row what a zero
+# row gives after W^O, W^O's bias (MultiHeadedAttention.forward).
 _SDPA_ZEROES_EMPTY_ROWS_ON_CPU = TORCH_RELEASE >= (2, 5)
 
 FUSED, EXPLICIT = "fused", "explicit"
@@ -94,27 +95,29 @@ def choose_kernel(need_weights: bool, forced: Optional[str] = None) -> str:
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
            dropout: Dropout, kernel: str, backends: str = NO_CUDNN
-           ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Attention(Q, K, V) with the chosen kernel: (B, h, T, d_k) and the weights (B, h, T, S) for
-    the explicit kernel. ``mask``: boolean, True where a query may attend, or a cache's additive
-    mask (0 / -inf), never with ``causal`` (a self-attention cache given several steps at once
-    keeps one row per hypothesis: no mask). ``causal``: the T queries are the last T of the S
-    positions, and each sees the keys up to its own. ``backends``: those the fused kernel may
-    run on."""
+           ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Attention(Q, K, V) with the chosen kernel: (B, h, T, d_k), the weights (B, h, T, S) for
+    the explicit kernel, and the queries that may attend to no key, (B, 1, T or 1, 1), where the
+    fused kernel is not certain to give them zeros (see _SDPA_ZEROES_EMPTY_ROWS_ON_CPU): they
+    attend to every key instead, and the caller zeroes their rows (None: nothing to zero).
+    ``mask``: boolean, True where a query may attend, or a cache's additive mask (0 / -inf),
+    never with ``causal`` (a self-attention cache given several steps at once keeps one row per
+    hypothesis: no mask). ``causal``: the T queries are the last T of the S positions, and each
+    sees the keys up to its own. ``backends``: those the fused kernel may run on."""
     square = q.size(-2) == k.size(-2)  # the fused kernel's is_causal assumes T = S
     if causal and (mask is not None or kernel == EXPLICIT or not square):
         causal_part = causal_mask(q.size(-2), k.size(-2), q.device)
         mask, causal = (causal_part if mask is None else mask & causal_part), False
     if kernel == EXPLICIT:
-        return explicit_attention(q, k, v, mask, dropout)
-    empty = None
+        return (*explicit_attention(q, k, v, mask, dropout), None)
+    no_keys = None
     if mask is not None and mask.dtype == torch.bool and not fused_kernel_zeroes_empty_rows(q):
-        empty = ~mask.any(-1, keepdim=True)  # queries with no key to attend to
-        mask = mask | empty
+        no_keys = ~mask.any(-1, keepdim=True)  # queries with no key to attend to
+        mask = mask | no_keys
     with fused_backends(backends):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                              dropout_p=dropout.p if dropout.active else 0.0)
-    return (out if empty is None else out.masked_fill(empty, 0.0)), None
+    return out, None, no_keys
 
 
 @contextlib.contextmanager
@@ -227,14 +230,19 @@ class MultiHeadedAttention(nn.Module):
         # 2) attend: softmax(Q K^T / sqrt(d_k)) V, fused or written out (the queries of a group's
         #    g rows side by side: (B / g, h, g * T, d_k), when the cache shares its keys)
         kernel = choose_kernel(need_weights, self.kernel)
-        out, weights = attend(group_queries(q, group), k, v, mask, causal, self.dropout, kernel,
-                              self.backends)
-        # 3) "concatenated and once again projected": (B, h, T, d_k) -> (B, T, d_model) -> W^O
-        #    (packed in training: the real rows (N, d_model) only)
-        out = concat_heads(out, group)
+        out, weights, no_keys = attend(group_queries(q, group), k, v, mask, causal, self.dropout,
+                                       kernel, self.backends)
+        # 3) "concatenated and once again projected": (B, h, T, d_k) -> (B, T, d_model) -> W^O,
+        #    then packed in training, (N, d_model). W^O's input is the kernel's own output (a
+        #    view), which backward keeps anyway: packing or zeroing its rows first would keep a
+        #    copy. A query with no key to attend to gets W^O of a zero row: its bias.
+        out = self.out_proj(concat_heads(out, group))
+        if no_keys is not None:
+            no_keys = ungroup_queries(no_keys, group).squeeze(1)  # (B, T or 1, 1)
+            out = torch.where(no_keys, self.out_proj.bias.to(out.dtype), out)
         if weights is not None:
             weights = ungroup_queries(weights, group)  # (B, h, T, S)
-        return self.out_proj(packing.pack(out)), weights
+        return packing.pack(out), weights
 
     def read_cache(self, cache: KeyValueCache, k: Optional[Tensor], v: Optional[Tensor],
                    mask: Optional[Tensor], need_weights: bool
