@@ -33,7 +33,9 @@ forward keeps for backward (in all, and by the operators that made it where the 
 most) and, on a GPU, what one training step holds at its peak beyond what was allocated before
 it and what is live then by the line that allocated it (scripts/cuda_peak.py), on the batch with
 the most target padding and on the one with the most positions. On a GPU each training run's
-line also says in which step its peak came and what stayed allocated between steps.
+line also says in which step its peak came and what stayed allocated between steps. On the CPU,
+--gpu-paths-on-cpu puts annotated_transformer on the paths it takes on a GPU (torch's dropout,
+attention's handling of queries with no key), so that what it keeps for backward is as there.
 
 --decoding-in-process times beam 5 of both models' first checkpoints in this process on the same
 sources, alternated, split into the time inside the model's per-step calls (decoder step,
