@@ -15,6 +15,7 @@ from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, MultiHeadedAttent
 from fairseq_plugin.modules.cache import (Ancestry, BeamReorder, SelfAttentionCache,
                                           SourceAttentionCache, plan_reorder, repeats_rows)
 from fairseq_plugin.models.annotated_transformer import source_mask
+from fairseq_plugin.modules import attention as attention_module
 from fairseq_plugin.reference import greedy_decode
 from fairseq_plugin.testing.operations import OperationCounter, counting_step_calls
 from fairseq_plugin.testing.recomputing import cached_rows, without_cache
@@ -67,9 +68,20 @@ def step_by_step(model, encoder_out, tokens, state=None):
     return torch.cat(steps, dim=1), state
 
 
+@pytest.fixture(params=["left to the kernel", "as on a GPU"])
+def rows_without_keys(request, monkeypatch):
+    """Queries that may attend to no key (a left-padded target's padding, a cache's masked
+    steps): left to torch >= 2.5's CPU kernel, which zeroes them, or handled as on a GPU (and
+    torch < 2.5), where attention lets them see every key and gives their rows W^O's bias."""
+    if request.param == "as on a GPU":
+        monkeypatch.setattr(attention_module, "fused_kernel_zeroes_empty_rows", lambda q: False)
+    return request.param
+
+
 @pytest.mark.parametrize("left_pad", [True, False])
 @pytest.mark.parametrize("post_norm", [False, True])
-def test_step_by_step_logits_equal_one_full_pass_for_a_padded_batch(left_pad, post_norm):
+def test_step_by_step_logits_equal_one_full_pass_for_a_padded_batch(left_pad, post_norm,
+                                                                    rows_without_keys):
     d = make_dictionary()
     model = build_tiny_model(d, post_norm=post_norm)
     src, lengths = padded_sources(d, [7, 3, 5, 1], left_pad)
@@ -197,7 +209,8 @@ def test_each_cache_is_reordered_exactly_once():
         assert torch.equal(v1, v0.index_select(0, new_order))
 
 
-def test_sequence_generator_beam4_gives_the_same_hypotheses_with_and_without_cache():
+def test_sequence_generator_beam4_gives_the_same_hypotheses_with_and_without_cache(
+        rows_without_keys):
     d = make_dictionary(40)
     model = sharpen(build_tiny_model(d))
     recomputing = without_cache(model)
@@ -795,7 +808,8 @@ def test_an_ensemble_of_two_models_gives_the_same_hypotheses_with_and_without_ca
 
 @pytest.mark.parametrize("beam", [1, 2], ids=["one row per sentence", "grouped beam"])
 @pytest.mark.parametrize("kernel", [FUSED, "explicit"])
-def test_several_new_steps_after_cached_ones_see_each_other_causally(kernel, beam):
+def test_several_new_steps_after_cached_ones_see_each_other_causally(kernel, beam,
+                                                                  rows_without_keys):
     """Self-attention with a cache and T > 1 new queries: each sees the cached steps and the new
     ones up to itself (the causal mask aligned to the last T positions, for both kernels); a
     cache holding a beam's groups first falls back to one row per hypothesis."""

@@ -97,7 +97,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool
            dropout: Dropout, kernel: str, backends: str = NO_CUDNN
            ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """Attention(Q, K, V) with the chosen kernel: (B, h, T, d_k), the weights (B, h, T, S) for
-    the explicit kernel, and the queries that may attend to no key, (B, 1, T or 1, 1), where the
+    the explicit kernel, and the queries that may attend to no key, (B, 1, T, 1), where the
     fused kernel is not certain to give them zeros (see _SDPA_ZEROES_EMPTY_ROWS_ON_CPU): they
     attend to every key instead, and the caller zeroes their rows (None: nothing to zero).
     ``mask``: boolean, True where a query may attend, or a cache's additive mask (0 / -inf),
@@ -114,6 +114,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool
     if mask is not None and mask.dtype == torch.bool and not fused_kernel_zeroes_empty_rows(q):
         no_keys = ~mask.any(-1, keepdim=True)  # queries with no key to attend to
         mask = mask | no_keys
+        no_keys = no_keys.expand(q.size(0), 1, q.size(2), 1)
     with fused_backends(backends):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                              dropout_p=dropout.p if dropout.active else 0.0)
@@ -238,7 +239,7 @@ class MultiHeadedAttention(nn.Module):
         #    copy. A query with no key to attend to gets W^O of a zero row: its bias.
         out = self.out_proj(concat_heads(out, group))
         if no_keys is not None:
-            no_keys = ungroup_queries(no_keys, group).squeeze(1)  # (B, T or 1, 1)
+            no_keys = ungroup_queries(no_keys, group).squeeze(1)  # (B, T, 1)
             out = torch.where(no_keys, self.out_proj.bias.to(out.dtype), out)
         if weights is not None:
             weights = ungroup_queries(weights, group)  # (B, h, T, S)
