@@ -387,66 +387,6 @@ def setup_code(command):
     return command[command.index("-c") + 1]
 
 
-def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsys):
-    """fairseq's trainer resets torch.cuda's peak counter after every step; what the benchmark
-    reads (scripts/cuda_peak.py, set up in every GPU process before fairseq runs) is still the
-    most allocated at once over the whole command. A stand-in for torch.cuda counts here."""
-    cuda_peak = load_script("cuda_peak")
-
-    class Allocator:  # torch.cuda's functions that cuda_peak uses
-        allocated = peak = 0
-
-        def synchronize(self):
-            pass
-
-        def memory_allocated(self):
-            return self.allocated
-
-        def max_memory_allocated(self):
-            return self.peak
-
-        def reset_peak_memory_stats(self):
-            self.peak = self.allocated
-
-        def use(self, n_bytes):  # a tensor made, or freed (n_bytes < 0)
-            self.allocated += n_bytes
-            self.peak = max(self.peak, self.allocated)
-
-    at_exit = []
-    monkeypatch.setattr(cuda_peak.atexit, "register", at_exit.append)
-    cuda = Allocator()
-    cuda.use(100 * 2 ** 20)  # before switch_on: counted only as what stays allocated
-    cuda.use(50 * 2 ** 20)
-    cuda.use(-50 * 2 ** 20)
-    counter = cuda_peak.switch_on(cuda)
-    for step_peak in (300, 500, 200):  # three training steps, the counter reset after each
-        cuda.use(step_peak * 2 ** 20)
-        cuda.use(-step_peak * 2 ** 20)
-        cuda.reset_peak_memory_stats()  # what fairseq calls: torch.cuda.reset_peak_memory_stats
-    assert cuda.max_memory_allocated() == 100 * 2 ** 20  # the counter alone lost the steps
-    assert counter.peak() == 600 * 2 ** 20
-    at_exit[0]()
-    # when: fairseq resets the counter after every step, so the 500 came in step 2 of 3
-    assert capsys.readouterr().out == ("cuda peak MB 600.0 in training step 2 of 3; 100.0 MB "
-                                       "allocated between steps\n")
-    # around one step (step_peak_mib): from what is allocated at its start, the reset inside
-    assert counter.start() == 100 * 2 ** 20
-    cuda.use(250 * 2 ** 20)
-    cuda.use(-250 * 2 ** 20)
-    cuda.reset_peak_memory_stats()
-    assert counter.peak() == 350 * 2 ** 20
-    bench = load_benchmark()
-    gpu = bench.Device("cuda", "fp16")
-    out = f"log\n{cuda_peak.PRINTED} 600.0 in training step 2 of 3; 100.0 MB allocated\nend\n"
-    assert gpu.peak_mb(out, 0) == 600.0
-    assert gpu.peak_where(out) == "in training step 2 of 3; 100.0 MB allocated"
-    assert bench.CPU.peak_mb(out, 7.0) == 7.0 and bench.CPU.peak_where(out) == ""
-    setup = setup_code(bench.Device("cuda", "fp16").command(["fairseq-train", "x"]))
-    assert (setup.index(f"sys.path.insert(0, {bench.SCRIPTS!r});")
-            < setup.index("import cuda_peak; cuda_peak.switch_on();")
-            < setup.index("cli_process.run("))
-
-
 class StandInAllocator:
     """torch.cuda's counters and memory history as cuda_peak uses them, for tests: ``use`` makes
     or frees a block (at an address, allocated at a given line) and records it while recording."""
@@ -493,6 +433,47 @@ class StandInAllocator:
         self.peak = max(self.peak, self.allocated)
         if self.recording:
             self.trace.append(entry)
+
+
+def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsys):
+    """fairseq's trainer resets torch.cuda's peak counter after every step; what the benchmark
+    reads (scripts/cuda_peak.py, set up in every GPU process before fairseq runs) is still the
+    most allocated at once over the whole command. A stand-in for torch.cuda counts here."""
+    cuda_peak = load_script("cuda_peak")
+
+    at_exit = []
+    monkeypatch.setattr(cuda_peak.atexit, "register", at_exit.append)
+    cuda = StandInAllocator()
+    cuda.use(1, 100 * 2 ** 20)  # before switch_on: counted only as what stays allocated
+    cuda.use(2, 50 * 2 ** 20)
+    cuda.use(2)
+    counter = cuda_peak.switch_on(cuda)
+    for step_peak in (300, 500, 200):  # three training steps, the counter reset after each
+        cuda.use(3, step_peak * 2 ** 20)
+        cuda.use(3)
+        cuda.reset_peak_memory_stats()  # what fairseq calls: torch.cuda.reset_peak_memory_stats
+    assert cuda.max_memory_allocated() == 100 * 2 ** 20  # the counter alone lost the steps
+    assert counter.peak() == 600 * 2 ** 20
+    at_exit[0]()
+    # when: fairseq resets the counter after every step, so the 500 came in step 2 of 3
+    assert capsys.readouterr().out == ("cuda peak MB 600.0 in training step 2 of 3; 100.0 MB "
+                                       "allocated between steps\n")
+    # around one step (step_peak_mib): from what is allocated at its start, the reset inside
+    assert counter.start() == 100 * 2 ** 20
+    cuda.use(4, 250 * 2 ** 20)
+    cuda.use(4)
+    cuda.reset_peak_memory_stats()
+    assert counter.peak() == 350 * 2 ** 20
+    bench = load_benchmark()
+    gpu = bench.Device("cuda", "fp16")
+    out = f"log\n{cuda_peak.PRINTED} 600.0 in training step 2 of 3; 100.0 MB allocated\nend\n"
+    assert gpu.peak_mb(out, 0) == 600.0
+    assert gpu.peak_where(out) == "in training step 2 of 3; 100.0 MB allocated"
+    assert bench.CPU.peak_mb(out, 7.0) == 7.0 and bench.CPU.peak_where(out) == ""
+    setup = setup_code(bench.Device("cuda", "fp16").command(["fairseq-train", "x"]))
+    assert (setup.index(f"sys.path.insert(0, {bench.SCRIPTS!r});")
+            < setup.index("import cuda_peak; cuda_peak.switch_on();")
+            < setup.index("cli_process.run("))
 
 
 def test_the_gpu_peak_after_the_last_step_and_without_steps_says_so(monkeypatch, capsys):
