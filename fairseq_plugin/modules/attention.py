@@ -99,7 +99,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool
     """Attention(Q, K, V) with the chosen kernel: (B, h, T, d_k), the weights (B, h, T, S) for
     the explicit kernel, and the queries that may attend to no key, (B, 1, T, 1), where the
     fused kernel is not certain to give them zeros (see _SDPA_ZEROES_EMPTY_ROWS_ON_CPU): they
-    attend to every key instead, and the caller zeroes their rows (None: nothing to zero).
+    attend to every key instead, and the caller gives their rows what a zero row would give
+    (None: no such query).
     ``mask``: boolean, True where a query may attend, or a cache's additive mask (0 / -inf),
     never with ``causal`` (a self-attention cache given several steps at once keeps one row per
     hypothesis: no mask). ``causal``: the T queries are the last T of the S positions, and each

@@ -9,8 +9,9 @@ every padded position.
 The layers of modules/layers.py take the packing as an argument and run their usual ``forward``
 on the rows they are given; only ``MultiHeadedAttention`` looks at it, to unpack its projections
 before attending and pack its output after W^O (W^O runs on padding too: its input is then the
-attention kernel's output, which backward keeps anyway, instead of a packed copy kept besides). A ``Packing`` is either ``RealPositions`` or
-``AllPositions`` (``NO_PACKING``, the default), which leaves a batch as it is.
+attention kernel's output, which backward keeps anyway, instead of a packed copy kept besides).
+A ``Packing`` is either ``RealPositions`` or ``AllPositions`` (``NO_PACKING``, the default),
+which leaves a batch as it is.
 The results at real positions are the same either way (tested); only the work on padding is saved
 (README, "Speed and memory").
 """
