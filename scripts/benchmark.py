@@ -363,7 +363,8 @@ def gpu_paths_on_cpu(trainers):
     that what they keep for backward is as there (--gpu-paths-on-cpu): torch's dropout, as
     fairseq's transformer has, instead of the CPU's cheaper mask (modules/dropout.py), and
     attention's handling of queries that may attend to no key where the fused kernel is not
-    certain to zero them (modules/attention.py)."""
+    certain to zero them (modules/attention.py). The models keep torch's dropout (they serve
+    this run only); attention's module-wide setting is restored on leaving."""
     from fairseq_plugin.modules import attention, dropout
 
     for name, trainer in trainers.items():
