@@ -30,9 +30,10 @@ this one process take the same N batches, alternated step by step (the machine's
 both alike); --profile-steps K adds torch.profiler's operators of K steps of each, alternated
 too, with the time and FLOPs of their matrix products. It also prints what each model's training
 forward keeps for backward (in all, and by the operators that made it where the models differ
-most) and, on a GPU, what one training step holds at its peak beyond what was allocated before
-it and what is live then by the line that allocated it (scripts/cuda_peak.py), on the batch with
-the most target padding and on the one with the most positions. On a GPU each training run's
+most), what one training step holds at its peak beyond what was allocated before it and what is
+live then by the line that allocated it (on a GPU from torch.cuda's allocator, scripts/cuda_peak.py;
+on the CPU by tensor storage, scripts/storage_peak.py), on the batch with the most target padding
+and on the one with the most positions. On a GPU each training run's
 line also says in which step its peak came and what stayed allocated between steps. On the CPU,
 --gpu-paths-on-cpu puts annotated_transformer on the paths it takes on a GPU (torch's dropout,
 attention's handling of queries with no key), so that what it keeps for backward is as there.
@@ -81,7 +82,7 @@ from fairseq_plugin.cli.common import fairseq_cli, plugin_dir
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, SCRIPTS)
 import cli_process  # noqa: E402  (cli_process and cuda_peak import nothing else;
-import cuda_peak  # noqa: E402  fairseq_bf16 imports fairseq: on demand)
+import cuda_peak  # noqa: E402  fairseq_bf16 and storage_peak import fairseq or torch: on demand)
 
 PRESETS = {  # layers, d_model, d_ff, heads
     "default": (4, 256, 1024, 4),
@@ -344,7 +345,8 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
     (A B, B A, ...), so that the machine's drift falls on both alike. Returns {name: [seconds of
     each step]}; with ``profile_steps``, then profiles that many steps of each (print_profiles).
     ``without_packing`` adds annotated_transformer computing padding too (NO_PACKING). ``memory``
-    (on a GPU, cuda_peak.PeakCounter) reads what one step holds at its peak (step_peak_mib).
+    reads what one step holds at its peak (step_peak_mib; None: cuda_peak.PeakCounter on a GPU,
+    storage_peak.StoragePeakCounter on the CPU).
     ``gpu_paths``: our models take a GPU's paths on the CPU (gpu_paths_on_cpu)."""
     flags = {arch: training_flags(data_bin, arch, preset, max_tokens, plugin_dir(), device)
              for arch in (OURS, THEIRS)}
@@ -410,17 +412,18 @@ def alternated_steps(trainers, max_tokens, steps, profile_steps, device, memory)
     pad = trainers[OURS].task.target_dictionary.pad()
     padding = [float(s["target"].eq(pad).float().mean()) for s in samples[3:]]
     positions = [s["target"].numel() + s["net_input"]["src_tokens"].numel() for s in samples[3:]]
-    if memory is None and device.kind == "cuda":
-        memory = cuda_peak.PeakCounter()
+    if memory is None:
+        import storage_peak
+        memory = (cuda_peak.PeakCounter() if device.kind == "cuda"
+                  else storage_peak.StoragePeakCounter())
     batches = {}
     for label, figures in (("target padding", padding), ("positions", positions)):
         most = max(range(len(figures)), key=figures.__getitem__)
         batches[f"the timed batch with the most {label}"] = samples[3 + most]
         print_memory(trainers, samples[3 + most], f"the timed batch with the most {label} "
                      f"({padding[most]:.1%} target padding, {positions[most]} positions)", memory)
-    if memory is not None:  # last: it records torch.cuda's memory history (slower steps)
-        for batch, sample in batches.items():
-            print_live_at_peak(trainers, sample, batch, memory)
+    for batch, sample in batches.items():  # last: it records every allocation (slower steps)
+        print_live_at_peak(trainers, sample, batch, memory)
     return seconds
 
 
@@ -428,15 +431,14 @@ def step_peak_mib(trainer, sample, memory) -> float:
     """MiB that one training step of ``sample`` holds at its peak beyond what was allocated before
     it (the parameters, the optimizer's state): where two models of the same parameters differ in
     peak memory. Whole runs' peaks (train_run) add what stays allocated between steps."""
-    before = memory.start()
-    trainer.train_step([sample])
-    return (memory.peak() - before) / 2 ** 20
+    return memory.peak_of(lambda: trainer.train_step([sample])) / 2 ** 20
 
 
 def print_memory(trainers, sample, batch: str, memory=None, rows: int = 8) -> None:
     """What each model's training forward of ``sample`` keeps for backward, in all and by the
     operators that made it (the ``rows`` where the models differ most), and with ``memory`` (on
-    a GPU, a cuda_peak.PeakCounter) what one training step of it holds at its peak."""
+    a GPU a cuda_peak.PeakCounter, on the CPU a storage_peak.StoragePeakCounter) what one
+    training step of it holds at its peak."""
     kept = {name: kept_for_backward(trainer, sample) for name, trainer in trainers.items()}
     mib = {name: sum(by_maker.values()) for name, by_maker in kept.items()}
     print(f"\nkept for backward by one training forward of {batch} (distinct storages, parameters "
@@ -457,7 +459,7 @@ def print_memory(trainers, sample, batch: str, memory=None, rows: int = 8) -> No
 
 def print_live_at_peak(trainers, sample, batch: str, memory, rows: int = 8) -> None:
     """What is live at the peak of one more training step of ``sample`` by each model
-    (``memory``: a cuda_peak.PeakCounter, live_at_peak_of): the ``rows`` lines that had allocated
+    (``memory``'s live_at_peak_of, as in print_memory): the ``rows`` lines that had allocated
     the most then, and the rest together."""
     for name, trainer in trainers.items():
         peak, by_line = memory.live_at_peak_of(lambda: trainer.train_step([sample]))

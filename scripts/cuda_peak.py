@@ -55,6 +55,13 @@ class PeakCounter:
         self.cuda.synchronize()
         return max(self.highest, self.cuda.max_memory_allocated())
 
+    def peak_of(self, work) -> int:
+        """The most bytes allocated at once while ``work()`` runs, beyond what was allocated
+        before it."""
+        before = self.start()
+        work()
+        return self.peak() - before
+
     def where(self) -> str:
         """When the peak came, counting others' resets of the counter as fairseq's trainer makes
         them, one at the end of every training step: 'in training step k of n' (step 1 includes

@@ -178,6 +178,19 @@ def test_steps_in_process_time_the_models_and_profile_their_matrix_products(tmp_
     assert "\n| made by (grad_fn, dtype) | annotated_transformer, MiB | transformer, MiB |\n" in out
     assert ("\nkept for backward by one training forward of the timed batch with the most "
             "positions (") in out
+    # on the CPU what one step holds at its peak is counted by storage (storage_peak): at least
+    # what the forward keeps for backward, less the gradients of the step before, freed first
+    held = re.search(r"\nheld at its peak by one training step of that batch \(forward, "
+                     r"backward, update\), beyond what was allocated before it: "
+                     r"annotated_transformer ([\d.]+) MiB, transformer ([\d.]+) MiB, "
+                     r"annotated_transformer without packing ([\d.]+) MiB; "
+                     r"annotated_transformer / transformer: ([\d.]+)x\n", out)
+    assert held, out[-2000:]
+    for peak, kept_ in zip(map(float, held.groups()[:3]), (ours, theirs, unpacked)):
+        assert peak >= kept_ - 1.0  # the tiny models' gradients: under 1 MiB
+    assert abs(float(held[4]) - float(held[1]) / float(held[2])) <= 0.006
+    assert ("\nlive at the peak of transformer's step of the timed batch with the most positions "
+            "(") in out
 
 
 def test_what_is_kept_for_backward_is_counted_once_per_storage_by_the_operator_that_made_it():
@@ -220,17 +233,15 @@ def test_steps_in_process_read_each_models_step_peak_around_one_training_step(
     monkeypatch.setattr(Trainer, "train_step", lambda self, samples, *a, **k: (
         steps.append(self.model), train_step(self, samples, *a, **k))[1])
 
-    class Recorder:  # the bytes allocated before a step, and the step's peak: 10, 11, ... MiB more
+    class Recorder:  # each step's peak beyond what was allocated before it: 10, 11, ... MiB
         readings = []
 
-        def start(self):
-            self.steps_before = len(steps)
-            return 1000 * 2 ** 20
-
-        def peak(self):
-            assert len(steps) == self.steps_before + 1  # one step between the two readings
+        def peak_of(self, work):
+            before = len(steps)
+            work()
+            assert len(steps) == before + 1  # one step of work
             self.readings.append(type(steps[-1]).__name__)
-            return 1000 * 2 ** 20 + (10 + len(self.readings) - 1) * 2 ** 20
+            return (10 + len(self.readings) - 1) * 2 ** 20
 
         def live_at_peak_of(self, work):  # cuda_peak.PeakCounter's: one step of the model
             before = len(steps)
@@ -260,7 +271,6 @@ def test_steps_in_process_read_each_models_step_peak_around_one_training_step(
                      + "".join(f"| 0.1 | small.py:{i} f |\n" for i in range(6))
                      + "| 0.2 | 2 other lines |\n")
             assert table in out, out[-3000:]
-    assert "held at its peak" not in benchmark("--steps-in-process", "1", work=tmp_path / "w")
 
 
 def test_step_options_without_steps_in_process_are_one_error_line():
@@ -522,6 +532,44 @@ def test_live_at_peak_names_the_lines_live_at_the_peak_of_a_recorded_step():
     assert cuda_peak.allocating_line(attention["frames"]) == (
         "fairseq_plugin/modules/attention.py:50 forward")
     assert cuda_peak.allocating_line([]) == cuda_peak.NO_FRAME
+
+
+def test_the_cpu_peak_counts_each_storage_from_the_operator_that_makes_it_to_its_freeing():
+    """storage_peak, the CPU's counterpart of cuda_peak.PeakCounter: a storage counts from the
+    operator that made it until it is freed, views and in-place results add nothing, and one
+    alive before the work and freed in it counts negative."""
+    storage_peak = load_script("storage_peak")
+    held = [torch.ones(1000)]  # 4000 bytes made before the work
+
+    def work():
+        held.clear()  # -4000
+        a = torch.ones(2000)  # 8000
+        view = a[:10]
+        a.add_(1)
+        view.mul_(2)
+        b = a * 2  # 8000 more: the peak, 16000 - 4000
+        del a, view
+        c = b + 1  # 8000, after a's 8000 were freed
+        del b, c
+        torch.ones(1500)  # 6000, freed at once
+
+    assert storage_peak.StoragePeakCounter().peak_of(work) == 12000
+
+
+def test_the_cpu_peak_sees_autograds_backward_and_names_the_line_that_ran_it():
+    storage_peak = load_script("storage_peak")
+    x = torch.ones(1000, requires_grad=True)
+
+    def work():
+        loss = (x * x).sum()  # the product, 4000 bytes, goes after the sum
+        loss.backward()  # x's gradient from two products of 4000: more than the forward held
+
+    peak, live = storage_peak.StoragePeakCounter().live_at_peak_of(work)
+    backward_line = [n for line, n in live.items()
+                     if re.fullmatch(r".*tests/test_benchmark\.py:\d+ work", line)
+                     and n >= 8000]
+    assert peak >= 8000 and backward_line, live
+    assert x.grad is not None and float(x.grad[0]) == 2.0
 
 
 # fairseq CLI stand-ins: a command that finishes and then aborts in Python's shutdown (as fp16
