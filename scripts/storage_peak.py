@@ -17,6 +17,7 @@ inside counts negative, as on a GPU. Imports torch only.
 """
 
 import gc
+import os
 import sys
 import weakref
 
@@ -24,7 +25,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import cuda_peak
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cuda_peak, also when loaded
+import cuda_peak  # noqa: E402                                      by its path
 
 
 class StorageTrace(TorchDispatchMode):
