@@ -474,6 +474,13 @@ def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsy
     cuda.use(4)
     cuda.reset_peak_memory_stats()
     assert counter.peak() == 350 * 2 ** 20
+
+    def step():
+        cuda.use(5, 250 * 2 ** 20)
+        cuda.use(5)
+        cuda.reset_peak_memory_stats()
+
+    assert counter.peak_of(step) == 250 * 2 ** 20  # beyond the 100 MiB allocated before it
     bench = load_benchmark()
     gpu = bench.Device("cuda", "fp16")
     out = f"log\n{cuda_peak.PRINTED} 600.0 in training step 2 of 3; 100.0 MB allocated\nend\n"
