@@ -210,6 +210,31 @@ def test_memory_history_names_the_lines_live_at_the_peak_on_cuda(monkeypatch):
         f"tests/test_cuda.py:{line} work": n * 2 ** 20 for line, n in zip(lines, (4, 8))}
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch.cuda's allocator needs a CUDA GPU")
+def test_the_cpus_storage_count_of_a_training_step_agrees_with_torch_cudas_allocator(monkeypatch):
+    """storage_peak counts a training step's peak on the CPU (benchmark --steps-in-process) by
+    tensor storage; on a GPU its count of a step agrees with torch.cuda's allocator's, within
+    what the allocator adds (rounding to 512-byte blocks, kernels' scratch memory)."""
+    cuda_peak, storage_peak = load_script("cuda_peak"), load_script("storage_peak")
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", torch.cuda.reset_peak_memory_stats)
+    d = make_dictionary()
+    model = build_tiny_model(d, dropout=0.1).to(DEVICE).train()
+    optimizer = torch.optim.Adam(model.parameters())
+    src, tgt = random_tokens(d, 64, 32).to(DEVICE), random_tokens(d, 64, 32).to(DEVICE)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(src, torch.full((64,), 32, device=DEVICE), tgt)[0]
+        F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten()).backward()
+        optimizer.step()
+
+    step()  # Adam's state and the kernels' set-up before the counts
+    counted = storage_peak.StoragePeakCounter().peak_of(step)
+    allocated = cuda_peak.PeakCounter().peak_of(step)
+    assert allocated > 2 ** 20
+    assert 0.9 * allocated <= counted <= allocated, (counted, allocated)
+
+
 @pytest.fixture(scope="module")
 def ddp_bin(tmp_path_factory):
     return ddp_data_bin(tmp_path_factory)
