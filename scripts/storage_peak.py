@@ -13,7 +13,7 @@ the CPU it runs in the calling thread), counted by their bytes. What it does not
 scratch memory freed before the operator returns, tensors made outside torch's dispatcher
 (from_numpy), the allocator's rounding. Storages alive when the trace starts are found among
 Python's objects (the parameters, their gradients, the optimizer's state): one of them freed
-inside counts negative, as on a GPU. Imports torch only.
+inside counts negative, as on a GPU. Imports torch (and cuda_peak).
 """
 
 import gc
@@ -52,9 +52,13 @@ class StorageTrace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # a result on an argument's storage (a view, an in-place result) is not new
+        given = {key(t.untyped_storage()) for t in tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
         frames = None
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and key(t.untyped_storage()) not in self.watched:
+            if (isinstance(t, torch.Tensor) and key(t.untyped_storage()) not in self.watched
+                    and key(t.untyped_storage()) not in given):
                 if frames is None:
                     frames = python_frames(sys._getframe(1)) if self.stacks else []
                 self.watch(t.untyped_storage(), frames)

@@ -563,6 +563,21 @@ def test_the_cpu_peak_counts_each_storage_from_the_operator_that_makes_it_to_its
     assert storage_peak.StoragePeakCounter().peak_of(work) == 12000
 
 
+def test_the_cpu_peak_counts_no_view_or_in_place_result_of_a_tensor_it_did_not_find(monkeypatch):
+    """A tensor alive before the work that the trace did not find among Python's objects (one
+    that only C++ holds, say): its views and in-place results inside are not new memory."""
+    storage_peak = load_script("storage_peak")
+    monkeypatch.setattr(storage_peak.gc, "get_objects", lambda: [])
+    unseen = torch.ones(1000)
+
+    def work():
+        unseen.mul_(2)
+        unseen[:500].add_(1)
+        unseen.view(10, 100).t_()
+
+    assert storage_peak.StoragePeakCounter().peak_of(work) == 0
+
+
 def test_the_cpu_peak_sees_autograds_backward_and_names_the_line_that_ran_it():
     storage_peak = load_script("storage_peak")
     x = torch.ones(1000, requires_grad=True)
