@@ -346,7 +346,7 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
     each step]}; with ``profile_steps``, then profiles that many steps of each (print_profiles).
     ``without_packing`` adds annotated_transformer computing padding too (NO_PACKING). ``memory``
     reads what one step holds at its peak (step_peak_mib; None: cuda_peak.PeakCounter on a GPU,
-    storage_peak.StoragePeakCounter on the CPU).
+    storage_peak.StoragePeakCounter on the CPU where torch allows it).
     ``gpu_paths``: our models take a GPU's paths on the CPU (gpu_paths_on_cpu)."""
     flags = {arch: training_flags(data_bin, arch, preset, max_tokens, plugin_dir(), device)
              for arch in (OURS, THEIRS)}
@@ -412,18 +412,23 @@ def alternated_steps(trainers, max_tokens, steps, profile_steps, device, memory)
     pad = trainers[OURS].task.target_dictionary.pad()
     padding = [float(s["target"].eq(pad).float().mean()) for s in samples[3:]]
     positions = [s["target"].numel() + s["net_input"]["src_tokens"].numel() for s in samples[3:]]
-    if memory is None:
+    if memory is None and device.kind == "cuda":
+        memory = cuda_peak.PeakCounter()
+    elif memory is None:
         import storage_peak
-        memory = (cuda_peak.PeakCounter() if device.kind == "cuda"
-                  else storage_peak.StoragePeakCounter())
+        if storage_peak.storages_keep_their_python_object():
+            memory = storage_peak.StoragePeakCounter()
+        else:
+            print(f"\n(no step peaks on the CPU: {storage_peak.UNSUPPORTED})")
     batches = {}
     for label, figures in (("target padding", padding), ("positions", positions)):
         most = max(range(len(figures)), key=figures.__getitem__)
         batches[f"the timed batch with the most {label}"] = samples[3 + most]
         print_memory(trainers, samples[3 + most], f"the timed batch with the most {label} "
                      f"({padding[most]:.1%} target padding, {positions[most]} positions)", memory)
-    for batch, sample in batches.items():  # last: it records every allocation (slower steps)
-        print_live_at_peak(trainers, sample, batch, memory)
+    if memory is not None:  # last: it records every allocation (slower steps)
+        for batch, sample in batches.items():
+            print_live_at_peak(trainers, sample, batch, memory)
     return seconds
 
 

@@ -23,10 +23,21 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cuda_peak, also when loaded
 import cuda_peak  # noqa: E402                                      by its path
+
+
+UNSUPPORTED = ("storage_peak: this torch's storages do not keep their Python object (torch 2.13's "
+               "do, 2.1.2's do not), so their freeing cannot be watched")
+
+
+def storages_keep_their_python_object() -> bool:
+    """Whether a storage's Python object lives as long as the storage (then a weak reference to
+    it says when the storage is freed)."""
+    t = torch.ones(1)
+    return t.untyped_storage() is t.untyped_storage()
 
 
 class StorageTrace(TorchDispatchMode):
@@ -36,6 +47,8 @@ class StorageTrace(TorchDispatchMode):
     (slower)."""
 
     def __init__(self, stacks: bool = True):
+        if not storages_keep_their_python_object():
+            raise RuntimeError(UNSUPPORTED)
         super().__init__()
         self.entries, self.stacks, self.before = [], stacks, 0
         self.watched = {}  # a storage's key: the weak reference that notes its freeing
@@ -53,10 +66,10 @@ class StorageTrace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # a result on an argument's storage (a view, an in-place result) is not new
-        given = {key(t.untyped_storage()) for t in tree_leaves((args, kwargs))
+        given = {key(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
                  if isinstance(t, torch.Tensor)}
         frames = None
-        for t in tree_leaves(out):
+        for t in tree_flatten(out)[0]:
             if (isinstance(t, torch.Tensor) and key(t.untyped_storage()) not in self.watched
                     and key(t.untyped_storage()) not in given):
                 if frames is None:

@@ -25,6 +25,13 @@ def load_script(name):
 
 def load_benchmark():
     return load_script("benchmark")
+
+
+# the CPU's step peak (scripts/storage_peak.py) watches storages' Python objects: torch 2.1.2's
+# do not live as long as their storages
+STORAGE_PEAK = load_script("storage_peak")
+needs_watchable_storages = pytest.mark.skipif(
+    not STORAGE_PEAK.storages_keep_their_python_object(), reason=STORAGE_PEAK.UNSUPPORTED)
 TINY = ["--data", "synthetic", "--train-sentences", "400", "--test-sentences", "16",
         "--preset", "tiny", "--max-tokens", "1024"]
 
@@ -178,6 +185,10 @@ def test_steps_in_process_time_the_models_and_profile_their_matrix_products(tmp_
     assert "\n| made by (grad_fn, dtype) | annotated_transformer, MiB | transformer, MiB |\n" in out
     assert ("\nkept for backward by one training forward of the timed batch with the most "
             "positions (") in out
+    if not STORAGE_PEAK.storages_keep_their_python_object():
+        assert f"\n(no step peaks on the CPU: {STORAGE_PEAK.UNSUPPORTED})\n" in out
+        assert "held at its peak" not in out
+        return
     # on the CPU what one step holds at its peak is counted by storage (storage_peak): at least
     # what the forward keeps for backward, less the gradients of the step before, freed first
     held = re.search(r"\nheld at its peak by one training step of that batch \(forward, "
@@ -541,6 +552,24 @@ def test_live_at_peak_names_the_lines_live_at_the_peak_of_a_recorded_step():
     assert cuda_peak.allocating_line([]) == cuda_peak.NO_FRAME
 
 
+def test_where_torch_cannot_watch_storages_the_cpu_peak_is_one_error_and_the_benchmark_says_so(
+        tmp_path, capsys, monkeypatch):
+    """On a torch whose storages do not keep their Python object (2.1.2), storage_peak refuses
+    with one line saying so, and steps_in_process prints that line instead of the step peaks."""
+    bench = load_benchmark()  # (puts scripts/ on sys.path: its storage_peak is the one imported)
+    import storage_peak
+    monkeypatch.setattr(storage_peak, "storages_keep_their_python_object", lambda: False)
+    with pytest.raises(RuntimeError, match=r"^storage_peak: this torch's storages do not keep "):
+        storage_peak.StoragePeakCounter().peak_of(lambda: None)
+    data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 20, "--test", 10)
+    bench.steps_in_process(str(data_bin), "tiny", 1024, 1)
+    out = capsys.readouterr().out
+    assert f"\n(no step peaks on the CPU: {storage_peak.UNSUPPORTED})\n" in out
+    assert "\nkept for backward by one training forward" in out
+    assert "held at its peak" not in out and "live at the peak" not in out
+
+
+@needs_watchable_storages
 def test_the_cpu_peak_counts_each_storage_from_the_operator_that_makes_it_to_its_freeing():
     """storage_peak, the CPU's counterpart of cuda_peak.PeakCounter: a storage counts from the
     operator that made it until it is freed, views and in-place results add nothing, and one
@@ -563,6 +592,7 @@ def test_the_cpu_peak_counts_each_storage_from_the_operator_that_makes_it_to_its
     assert storage_peak.StoragePeakCounter().peak_of(work) == 12000
 
 
+@needs_watchable_storages
 def test_the_cpu_peak_counts_no_view_or_in_place_result_of_a_tensor_it_did_not_find(monkeypatch):
     """A tensor alive before the work that the trace did not find among Python's objects (one
     that only C++ holds, say): its views and in-place results inside are not new memory."""
@@ -578,6 +608,7 @@ def test_the_cpu_peak_counts_no_view_or_in_place_result_of_a_tensor_it_did_not_f
     assert storage_peak.StoragePeakCounter().peak_of(work) == 0
 
 
+@needs_watchable_storages
 def test_the_cpu_peak_sees_autograds_backward_and_names_the_line_that_ran_it():
     storage_peak = load_script("storage_peak")
     x = torch.ones(1000, requires_grad=True)
