@@ -43,14 +43,13 @@ def storages_keep_their_python_object() -> bool:
 class StorageTrace(TorchDispatchMode):
     """Inside, notes each storage that an operator's result brings and each such storage's
     freeing (``entries``, in torch.cuda's memory history's form), and the freeing of those alive
-    on entering (``before``: their bytes). ``stacks``: note the Python frames of each new storage
-    (slower)."""
+    on entering. ``stacks``: note the Python frames of each new storage (slower)."""
 
     def __init__(self, stacks: bool = True):
         if not storages_keep_their_python_object():
             raise RuntimeError(UNSUPPORTED)
         super().__init__()
-        self.entries, self.stacks, self.before = [], stacks, 0
+        self.entries, self.stacks = [], stacks
         self.watched = {}  # a storage's key: the weak reference that notes its freeing
 
     def __enter__(self):
@@ -65,16 +64,16 @@ class StorageTrace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        # a result on an argument's storage (a view, an in-place result) is not new
-        given = {key(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
-                 if isinstance(t, torch.Tensor)}
-        frames = None
-        for t in tree_flatten(out)[0]:
-            if (isinstance(t, torch.Tensor) and key(t.untyped_storage()) not in self.watched
-                    and key(t.untyped_storage()) not in given):
-                if frames is None:
-                    frames = python_frames(sys._getframe(1)) if self.stacks else []
-                self.watch(t.untyped_storage(), frames)
+        unseen = [t.untyped_storage() for t in tree_flatten(out)[0]
+                  if isinstance(t, torch.Tensor) and key(t.untyped_storage()) not in self.watched]
+        if unseen:
+            # a result on an argument's storage (a view, an in-place result) is not new
+            given = {key(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
+                     if isinstance(t, torch.Tensor)}
+            frames = python_frames(sys._getframe(1)) if self.stacks else []
+            for storage in unseen:
+                if key(storage) not in given:
+                    self.watch(storage, frames)
         return out
 
     def watch(self, storage, frames) -> None:
@@ -82,9 +81,7 @@ class StorageTrace(TorchDispatchMode):
         size = storage.nbytes()
         if key(storage) in self.watched or size == 0 or storage.device.type == "meta":
             return
-        if frames is None:
-            self.before += size
-        else:
+        if frames is not None:
             self.entries.append({"action": "alloc", "addr": key(storage), "size": size,
                                  "frames": frames})
         self.watched[key(storage)] = weakref.ref(storage, lambda _, k=key(storage), n=size:
