@@ -32,6 +32,7 @@ def load_benchmark():
 STORAGE_PEAK = load_script("storage_peak")
 needs_watchable_storages = pytest.mark.skipif(
     not STORAGE_PEAK.storages_keep_their_python_object(), reason=STORAGE_PEAK.UNSUPPORTED)
+
 TINY = ["--data", "synthetic", "--train-sentences", "400", "--test-sentences", "16",
         "--preset", "tiny", "--max-tokens", "1024"]
 
@@ -197,8 +198,8 @@ def test_steps_in_process_time_the_models_and_profile_their_matrix_products(tmp_
                      r"annotated_transformer without packing ([\d.]+) MiB; "
                      r"annotated_transformer / transformer: ([\d.]+)x\n", out)
     assert held, out[-2000:]
-    for peak, kept_ in zip(map(float, held.groups()[:3]), (ours, theirs, unpacked)):
-        assert peak >= kept_ - 1.0  # the tiny models' gradients: under 1 MiB
+    for peak, kept_mib in zip(map(float, held.groups()[:3]), (ours, theirs, unpacked)):
+        assert peak >= kept_mib - 2.0  # the tiny models' gradients: 1.6 MiB
     assert abs(float(held[4]) - float(held[1]) / float(held[2])) <= 0.006
     assert ("\nlive at the peak of transformer's step of the timed batch with the most positions "
             "(") in out
