@@ -112,15 +112,13 @@ class StoragePeakCounter:
 
     def peak_of(self, work) -> int:
         """The most bytes held at once while ``work()`` runs, beyond what was held before it."""
-        trace = StorageTrace(stacks=False)
-        with trace:
-            work()
-        return cuda_peak.live_at_peak(trace.entries, where=lambda frames: "")[0]
+        return self.live_at_peak_of(work, stacks=False)[0]
 
-    def live_at_peak_of(self, work):
+    def live_at_peak_of(self, work, stacks: bool = True):
         """(peak_of(work), {the line that allocated it: bytes live at that peak}), as
-        cuda_peak.PeakCounter.live_at_peak_of."""
-        trace = StorageTrace()
+        cuda_peak.PeakCounter.live_at_peak_of (without ``stacks``, faster: every line '')."""
+        trace = StorageTrace(stacks)
         with trace:
             work()
-        return cuda_peak.live_at_peak(trace.entries)
+        return cuda_peak.live_at_peak(trace.entries, where=cuda_peak.allocating_line if stacks
+                                      else lambda frames: "")
