@@ -268,12 +268,15 @@ ABORTED_AFTER_FINISHING = []  # the commands that did (names), for the summary
 
 def report_abort_after_finishing(name: str, out: str) -> None:
     """A command that finished its work and then aborted in Python's shutdown (cli_process.py):
-    its figures stand; say so, with what faulthandler printed of its threads."""
+    its figures stand; say so, with the Python threads alive when its script had finished and
+    what faulthandler printed of its threads at the abort."""
     ABORTED_AFTER_FINISHING.append(name)
+    alive = [line for line in out.splitlines() if line.startswith(cli_process.THREADS_ALIVE)]
     dump = out[out.find("Fatal Python error"):] if "Fatal Python error" in out else ""
     print(f"  note: {name} finished (exit status 0), then aborted in Python's shutdown (SIGABRT); "
           "its figures are kept (scripts/cli_process.py)"
-          + ("; its threads at the abort:\n" + "\n".join(dump.splitlines()[:40]) if dump else ""),
+          + "".join("\n  " + line for line in alive[-1:])
+          + ("\n  its threads at the abort:\n" + "\n".join(dump.splitlines()[:40]) if dump else ""),
           flush=True)
 
 

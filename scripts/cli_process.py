@@ -8,10 +8,12 @@ printed "done training", saved its checkpoint, and then sometimes aborted during
 shutdown ("terminate called without an active exception", SIGABRT): 2 of our model's 4 runs
 (fairseq's transformer: 2 runs; bf16: 6 runs, none aborted).
 A Python daemon thread that is inside one of torch's operators when the interpreter exits ends
-that way (a thread doing matrix products: 6 aborts in 6 runs on the CPU); which one does it
-there is not known yet (faulthandler, on in the benchmark's children, prints the threads' stacks
-at an abort). The benchmark keeps the figures of a command that finished before such an abort,
-and says so (benchmark.py: run_measured).
+that way (a thread doing matrix products: 6 aborts in 6 runs on the CPU). On an H200
+(2026-11-27) one of our model's and one of fairseq's transformer's 12 fp16 commands aborted so,
+and faulthandler (on in the benchmark's children) showed only the main thread, with no Python
+frame: the cause lies in native code at shutdown, not known yet. The benchmark keeps the figures
+of a command that finished before such an abort, and says so, with the threads alive when the
+script had finished (benchmark.py: run_measured).
 """
 
 import os
@@ -20,6 +22,7 @@ import sys
 import threading
 
 FINISHED = "cli_process: the command finished with exit status 0"
+THREADS_ALIVE = "cli_process: threads alive at the end: "
 
 
 def run(path: str) -> None:
@@ -32,7 +35,7 @@ def run(path: str) -> None:
         if stop.code not in (None, 0):
             raise
     print(FINISHED, flush=True)
-    print("cli_process: threads alive at the end: " + (", ".join(other_threads()) or "none"),
+    print(THREADS_ALIVE + (", ".join(other_threads()) or "none"),
           flush=True)
 
 

@@ -656,9 +656,11 @@ def test_a_command_that_finished_keeps_its_figures_through_an_abort_in_shutdown_
     note = capsys.readouterr().out
     assert "finished-then-aborted finished (exit status 0), then aborted" in note
     assert "Fatal Python error: Aborted" in note  # faulthandler's report of the threads
-    # the threads alive when the script had finished, and where
-    assert re.search(r"\ncli_process: threads alive at the end: waiting \(Thread, daemon\), at "
-                     r"\S+\.py:\d+ in \w+\n", out), out
+    # the threads alive when the script had finished, and where, in its output and in the note
+    alive = (r"cli_process: threads alive at the end: waiting \(Thread, daemon\), at "
+             r"\S+\.py:\d+ in \w+\n")
+    assert re.search(r"\n" + alive, out), out
+    assert re.search(r"\n  " + alive, note), note
     for name in ("aborted", "failed"):
         with pytest.raises(SystemExit, match=f"benchmark: error: {name} failed"):
             bench.run_measured([scripts[name]], device)
