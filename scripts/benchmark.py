@@ -46,6 +46,9 @@ operators of one decoding of each: where a GPU's beam search spends its time.
 --also-torch-choice adds a third contestant to every round: annotated_transformer trained (and
 so decoding) with --fused-attention-backends torch, its fused attention on the backend torch
 chooses, cuDNN included, instead of the default no-cudnn (also in --decoding-in-process).
+--also-without-packing adds annotated_transformer trained with --no-packing, its position-wise
+work on every position, padding included (decoding is the same either way, so not in
+--decoding-in-process): what packing costs or saves through fairseq-train, e.g. on a GPU.
 Stopped by SIGTERM (e.g. timeout's) during the rounds, the benchmark stops fairseq's running
 command, prints the tables of the rounds complete so far and ends in an error line.
 
@@ -246,7 +249,7 @@ CPU = Device()
 
 def folder_name(contestant: str) -> str:
     """A contestant's name as a folder name: annotated_transformer, annotated_transformer-before,
-    annotated_transformer-torch-choice, transformer."""
+    annotated_transformer-torch-choice, annotated_transformer-without-packing, transformer."""
     return re.sub(r"[^\w.-]+", "-", contestant)
 
 
@@ -879,6 +882,9 @@ def main(argv=None):
                    help="also run annotated_transformer with --fused-attention-backends torch in "
                         "every round (A B C, C B A, ...): its fused attention on the backend torch "
                         "chooses, which may be cuDNN on a GPU, instead of the default no-cudnn")
+    p.add_argument("--also-without-packing", action="store_true",
+                   help="also run annotated_transformer with --no-packing in every round: in "
+                        "training, its position-wise work on every position, padding included")
     p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if ((args.profile_steps or args.without_packing or args.gpu_paths_on_cpu)
@@ -966,13 +972,16 @@ def run(args, device, work):
                   f"{step_ratio_line(NO_PACKING, unpacked, theirs)}")
         return
     # contestants: (name, --arch, --user-dir, more model flags); --before adds another checkout's
-    # plugin, --also-torch-choice ours with --fused-attention-backends torch
+    # plugin, --also-torch-choice ours with --fused-attention-backends torch,
+    # --also-without-packing ours with --no-packing
     contestants = [(OURS, OURS, plugin_dir(), []), (THEIRS, THEIRS, plugin_dir(), [])]
     if args.before:
         contestants.append((BEFORE, OURS, os.path.abspath(args.before), []))
     if args.also_torch_choice:
         contestants.append((OURS_TORCH_CHOICE, OURS, plugin_dir(),
                             ["--fused-attention-backends", "torch"]))
+    if args.also_without_packing:
+        contestants.append((NO_PACKING, OURS, plugin_dir(), ["--no-packing"]))
     results = {name: {"train_wps": [], "train_mb": [], "gen_tps": [], "gen_mb": []}
                for name, _, _, _ in contestants}
     ct2_tps, ct2_mb = [], []

@@ -683,11 +683,12 @@ def commands_naming(text):
 @pytest.mark.skipif(FAIRSEQ_BREAKS_POST_LN, reason="fairseq 0.12.2's own transformer (post-LN) "
                     "cannot decode padded batches (fairseq #4858): the benchmark's generation "
                     "needs fairseq-fixed")
-def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_third_model(
+def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_other_models(
         tmp_path):
     """--also-torch-choice adds annotated_transformer trained (and so decoding) with
-    --fused-attention-backends torch to every round; SIGTERM (a timeout's) in the second
-    round prints the table of the first, stops fairseq's command and ends in one error line."""
+    --fused-attention-backends torch to every round, --also-without-packing one trained with
+    --no-packing; SIGTERM (a timeout's) in the second round prints the table of the first, stops
+    fairseq's command and ends in one error line."""
     import signal
     import time
 
@@ -697,7 +698,7 @@ def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_t
     proc = subprocess.Popen(
         [sys.executable, BENCHMARK, *TINY, "--data-bin", str(data_bin), "--rounds", "2",
          "--train-updates", "10", "--gen-length", "8", "--skip-ctranslate2", "--skip-cache",
-         "--also-torch-choice", "--work-dir", str(tmp_path / "work")],
+         "--also-torch-choice", "--also-without-packing", "--work-dir", str(tmp_path / "work")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     for line in proc.stdout:  # the benchmark flushes each round's line
@@ -717,13 +718,16 @@ def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_t
     assert "| medians of 1 rounds |" in out
     rows = [[c.strip() for c in line.strip("| \n").split("|")] for line in out.splitlines()
             if line.startswith("| training, target words/s |")]
-    assert [r[1] for r in rows] == ["annotated_transformer", "annotated_transformer torch-choice"]
+    assert [r[1] for r in rows] == ["annotated_transformer", "annotated_transformer torch-choice",
+                                    "annotated_transformer without packing"]
     assert all(len(r[5].split()) == 1 for r in rows)  # one ratio: round 1's
     saved = {name: torch.load(tmp_path / "work" / f"{name}-round0" / "checkpoint_last.pt",
                               weights_only=False)["cfg"]["model"]
-             for name in ("annotated_transformer", "annotated_transformer-torch-choice")}
+             for name in ("annotated_transformer", "annotated_transformer-torch-choice",
+                          "annotated_transformer-without-packing")}
     assert saved["annotated_transformer"]["fused_attention_backends"] == "no-cudnn"
     assert saved["annotated_transformer-torch-choice"]["fused_attention_backends"] == "torch"
+    assert [saved[name]["no_packing"] for name in saved] == [False, False, True]
 
 
 def test_a_gpu_profile_also_lists_the_operators_by_host_time(capsys):

@@ -272,6 +272,41 @@ def test_fused_attention_backends_reach_every_attention_from_the_flag_and_from_o
         assert set(backends(models[0])) == {expected}
 
 
+def test_no_packing_runs_training_on_every_position_from_the_flag_and_old_checkpoints_pack(
+        tmp_path):
+    """--no-packing: both stacks' feed-forward sub-layers see every position of a padded
+    training batch, as the model does without the flag only outside training; without it they
+    see the real tokens only, and a checkpoint saved before the option existed packs."""
+    from fairseq import checkpoint_utils, options, tasks
+
+    d = make_dictionary(40)
+    d.save(str(tmp_path / "dict.de.txt"))
+    d.save(str(tmp_path / "dict.en.txt"))
+    command = [str(tmp_path), "--arch", "annotated_transformer_tiny", "--source-lang", "de",
+               "--target-lang", "en", "--user-dir", os.path.dirname(fairseq_plugin.__file__),
+               "--dropout", "0"]
+    src = random_tokens(d, 4, 7)
+    src[1, :4] = d.pad()
+    tgt = random_tokens(d, 4, 6)
+    tgt[3, 2:] = d.pad()
+    real = (int(src.ne(d.pad()).sum()), int(tgt.ne(d.pad()).sum()))
+    for extra, rows_expected in (([], real), (["--no-packing"], (src.numel(), tgt.numel()))):
+        args = options.parse_args_and_arch(options.get_training_parser(), command + extra)
+        model = tasks.setup_task(args).build_model(args).train()
+        rows = []
+        for layer in (model.encoder.layers[0], model.decoder.layers[0]):
+            layer.feed_forward.register_forward_hook(
+                lambda _, inputs, out: rows.append(inputs[0].shape[:-1].numel()))
+        model(src, src.ne(d.pad()).sum(1), tgt)
+        assert tuple(rows) == rows_expected, extra
+
+    here = os.path.join(os.path.dirname(__file__), "data", "pre_redesign")
+    models, _, _ = checkpoint_utils.load_model_ensemble_and_task(
+        [os.path.join(here, "checkpoint.pt")],
+        arg_overrides={"data": here, "source_lang": "src", "target_lang": "tgt"})
+    assert models[0].encoder.skip_padding and models[0].decoder.skip_padding
+
+
 def test_a_longer_position_limit_loads_sinusoidal_checkpoints_and_refuses_learned_ones():
     """What --model-overrides "{'max_source_positions': N}" meets when the model loads."""
     d = make_dictionary()

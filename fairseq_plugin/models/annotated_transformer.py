@@ -49,13 +49,14 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
     ``AnnotatedTransformerModel.make_model``."""
 
     def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[EncoderLayer],
-                 norm: Optional[nn.LayerNorm]):
+                 norm: Optional[nn.LayerNorm], skip_padding: bool = True):
         super().__init__(dictionary)
         self.padding_idx = dictionary.pad()
         self.embed = embed  # the notebook's src_embed: Embeddings and PositionalEncoding
         self.layers = nn.ModuleList(layers)
         self.norm = norm  # pre-LN's final LayerNorm (None when post-LN)
-        self.skip_padding = True  # in training, position-wise work on real tokens only (packing.py)
+        # in training, position-wise work on real tokens only (packing.py; off: --no-packing)
+        self.skip_padding = skip_padding
         self.beam_size = 1  # set by fairseq's SequenceGenerator, through the model
 
     def forward(self, src_tokens: Tensor, src_lengths: Optional[Tensor] = None,
@@ -120,14 +121,15 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
     """
 
     def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[DecoderLayer],
-                 norm: Optional[nn.LayerNorm], generator: Generator):
+                 norm: Optional[nn.LayerNorm], generator: Generator, skip_padding: bool = True):
         super().__init__(dictionary)
         self.padding_idx = dictionary.pad()
         self.embed = embed  # the notebook's tgt_embed: Embeddings and PositionalEncoding
         self.layers = nn.ModuleList(layers)
         self.norm = norm  # pre-LN's final LayerNorm (None when post-LN)
         self.generator = generator
-        self.skip_padding = True  # in training, position-wise work on real tokens only (packing.py)
+        # in training, position-wise work on real tokens only (packing.py; off: --no-packing)
+        self.skip_padding = skip_padding
         # outside training, return the alignment layer's source attention, as fairseq's
         # transformer always does (the hub's hypotheses, --print-alignment); False: the fused
         # kernel in every attention (tests, the cache benchmark's baseline)
@@ -303,7 +305,8 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
                                  _feed_forward(args, d, args.encoder_ffn_embed_dim),
                                  dropout, normalize_before=pre_ln)
                     for _ in range(args.encoder_layers)],
-            norm=nn.LayerNorm(d) if pre_ln else None)  # pre-LN's final LayerNorm
+            norm=nn.LayerNorm(d) if pre_ln else None,  # pre-LN's final LayerNorm
+            skip_padding=not args.no_packing)
         pre_ln = normalize_before(args, "decoder")
         d, h = args.decoder_embed_dim, args.decoder_attention_heads
         decoder = AnnotatedTransformerDecoder(
@@ -317,7 +320,8 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
                                  dropout, normalize_before=pre_ln)
                     for _ in range(args.decoder_layers)],
             norm=nn.LayerNorm(d) if pre_ln else None,
-            generator=Generator(d, len(tgt_dict), tgt_tokens.lut.weight if share_output else None))
+            generator=Generator(d, len(tgt_dict), tgt_tokens.lut.weight if share_output else None),
+            skip_padding=not args.no_packing)
         model = cls(encoder, decoder)
         model.init_parameters_()
         return model

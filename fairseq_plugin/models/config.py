@@ -74,6 +74,10 @@ class AnnotatedTransformerConfig(FairseqDataclass):
                   "builds a plan for each new shape of its inputs (no-cudnn, the default), or on "
                   "the one torch chooses (torch); the same attention, other kernels (at "
                   "generation: --model-overrides \"{'fused_attention_backends': 'no-cudnn'}\")")
+    no_packing: bool = _option(
+        False, "in training, run each layer's position-wise work on every position, padding "
+               "included (default: on real tokens only where at least 2%% of a batch's positions "
+               "are padding, modules/packing.py); the same results, other speed and memory")
 
 
 class _UnsupportedFlag(argparse.Action):
