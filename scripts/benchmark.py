@@ -7,7 +7,9 @@ ratios (ours / fairseq's). ``--before DIR`` adds the annotated_transformer of an
 plugin directory to every round (A B C C B A ...), for before/after figures from one run:
 
 - training: target words/s through fairseq-train (median of the logged intervals after the
-  first), and the process's peak resident memory;
+  first; and of those after the first epoch, when every run logged some: by then each batch's
+  shape has been seen, so what a kernel prepares once per shape is done, as in a long run), and
+  the process's peak resident memory;
 - generation: tokens/s through fairseq-generate --beam 5 (every hypothesis forced to the same
   length with --min-len/--max-len-b, so both do the same work), and peak memory;
 - CTranslate2: the annotated_transformer checkpoint exported (annotated-export-fairseq) and
@@ -316,18 +318,31 @@ def training_flags(data_bin, arch, preset, max_tokens, user_dir, device=CPU):
 def train_run(data_bin, arch, preset, save_dir, updates, max_tokens, user_dir, device=CPU,
               model_flags=()):
     """fairseq-train for ``updates`` updates (``model_flags``: more of the model's flags, which the
-    checkpoint keeps for generation): (target words/s, peak MB, on a GPU when the peak came)."""
+    checkpoint keeps for generation): (target words/s, the same after the first epoch or None,
+    peak MB, on a GPU when the peak came)."""
     out, rss = run_measured([
         fairseq_cli("fairseq-train"),
         *training_flags(data_bin, arch, preset, max_tokens, user_dir, device), *model_flags,
         # one checkpoint, at the end, without the optimizer's state (decoding needs no more)
         "--max-update", updates, "--save-dir", save_dir, "--no-epoch-checkpoints",
         "--save-interval", "1000000", "--no-save-optimizer-state", "--disable-validation", "--log-format", "json", "--log-interval", "5"], device)
-    wps = [float(json.loads(line[line.index("{"):])["wps"])
-           for line in out.splitlines() if "train_inner" in line and "{" in line]
-    if len(wps) < 2:
+    wps, later = training_speeds(out)
+    return wps, later, rss, device.peak_where(out)
+
+
+def training_speeds(out: str):
+    """From fairseq-train's json log (``train_inner``, every --log-interval updates): the median
+    target words/s of its intervals but the first, and of those after the first epoch but the
+    first of them (None where there are none). After the first epoch every batch's shape has been
+    seen once, so what a kernel prepares once per shape (cuDNN's attention plans, in fairseq's
+    transformer on a GPU) is done: the pace of a long training run."""
+    logged = [json.loads(line[line.index("{"):])
+              for line in out.splitlines() if "train_inner" in line and "{" in line]
+    if len(logged) < 2:
         raise SystemExit("benchmark: error: too few logged intervals; raise --train-updates")
-    return statistics.median(wps[1:]), rss, device.peak_where(out)
+    later = [float(stats["wps"]) for stats in logged if int(stats["epoch"]) > 1][1:]
+    return (statistics.median(float(stats["wps"]) for stats in logged[1:]),
+            statistics.median(later) if later else None)
 
 
 def fairseq_trainer(flags):
@@ -982,7 +997,8 @@ def run(args, device, work):
                             ["--fused-attention-backends", "torch"]))
     if args.also_without_packing:
         contestants.append((NO_PACKING, OURS, plugin_dir(), ["--no-packing"]))
-    results = {name: {"train_wps": [], "train_mb": [], "gen_tps": [], "gen_mb": []}
+    results = {name: {"train_wps": [], "later_wps": [], "train_mb": [], "gen_tps": [],
+                      "gen_mb": []}
                for name, _, _, _ in contestants}
     ct2_tps, ct2_mb = [], []
     complete = 0  # rounds
@@ -992,9 +1008,9 @@ def run(args, device, work):
             for name, arch, user_dir, flags in alternated(contestants, r):
                 save = os.path.join(work, f"{folder_name(name)}-round{r}")
                 started = time.perf_counter()
-                wps, mb, peak_where = train_run(data_bin, arch, args.preset, save,
-                                                args.train_updates, args.max_tokens, user_dir,
-                                                device, flags)
+                wps, later_wps, mb, peak_where = train_run(
+                    data_bin, arch, args.preset, save, args.train_updates, args.max_tokens,
+                    user_dir, device, flags)
                 trained = time.perf_counter()
                 tps, gen_mb = generate_run(gen_bin, os.path.join(save, "checkpoint_last.pt"),
                                            args.gen_length, args.max_tokens, user_dir, n_decoded,
@@ -1002,13 +1018,16 @@ def run(args, device, work):
                 train_s, generate_s = trained - started, time.perf_counter() - trained
                 res = results[name]
                 res["train_wps"].append(wps)
+                res["later_wps"].append(later_wps)
                 res["train_mb"].append(mb)
                 res["gen_tps"].append(tps)
                 res["gen_mb"].append(gen_mb)
                 print(f"  round {r + 1} {name:30s} train {wps:8.0f} wps {mb:6.0f} MB   "
                       f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB   (the commands took "
                       f"{train_s:.0f} s and {generate_s:.0f} s)"
-                      + (f"\n          training peak {peak_where}" if peak_where else ""),
+                      + (f"\n          training peak {peak_where}" if peak_where else "")
+                      + (f"\n          after the first epoch {later_wps:.0f} wps" if later_wps
+                         else "\n          (no logged interval after the first epoch)"),
                       flush=True)
                 if name == OURS and not args.skip_ctranslate2:
                     ct2, per_hyp, mb = ctranslate2_run(
@@ -1037,16 +1056,24 @@ def run(args, device, work):
     print(f"\n| medians of {complete} rounds | model | model | transformer | "
           "median of the per-round ratios | per-round ratios |")
     print("|---|---|---|---|---|---|")
-    for key, label in (("train_wps", "training, target words/s"),
-                       ("gen_tps", "generation beam 5, tokens/s"),
-                       ("train_mb", "training peak memory, MB"),
-                       ("gen_mb", "generation peak memory, MB")):
+    table = [("train_wps", "training, target words/s"),
+            ("later_wps", "training after the first epoch, target words/s"),
+            ("gen_tps", "generation beam 5, tokens/s"),
+            ("train_mb", "training peak memory, MB"),
+            ("gen_mb", "generation peak memory, MB")]
+    later_in_every_run = all(None not in res["later_wps"] for res in results.values())
+    for key, label in table:
+        if key == "later_wps" and not later_in_every_run:
+            continue  # said under the table
         for name in results:
             if name != THEIRS:
                 print(ratio_row(label, name, results[name][key], theirs[key]))
     if ct2_tps:
         print(ratio_row("generation beam 5, tokens/s", "annotated_transformer exported to "
                         "CTranslate2", ct2_tps, theirs["gen_tps"]))
+    if not later_in_every_run:
+        print("\n(no row for training after the first epoch: not every training command logged "
+              "an interval after its first epoch; raise --train-updates for it)")
     if ABORTED_AFTER_FINISHING:
         print(f"\n{len(ABORTED_AFTER_FINISHING)} commands finished and then aborted in Python's "
               f"shutdown, their figures kept (notes above): {', '.join(ABORTED_AFTER_FINISHING)}")

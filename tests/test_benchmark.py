@@ -91,7 +91,7 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
     # a test set of 40, of which the first 16 are decoded (the benchmark checks fairseq-generate's
     # count of translated sentences)
     data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 50, "--test", 40)
-    out = benchmark("--data-bin", str(data_bin), "--rounds", "1", "--train-updates", "10",
+    out = benchmark("--data-bin", str(data_bin), "--rounds", "1", "--train-updates", "20",
                     "--gen-length", "8", "--cache-lengths", "4", "--skip-ctranslate2",
                     "--decoding-in-process", "--also-torch-choice", work=tmp_path / "work")
     assert re.search(r"training batches: [\d.]+% source and [\d.]+% target positions are padding",
@@ -107,10 +107,14 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
         if len(cells) == 6 and cells[1] == "annotated_transformer":
             rows[cells[0]] = (float(cells[2]), float(cells[3]), float(cells[4].rstrip("x")),
                               [float(r) for r in cells[5].split()])
-    assert sorted(rows) == sorted(["training, target words/s", "generation beam 5, tokens/s",
-                                   "training peak memory, MB", "generation peak memory, MB"])
+    # 20 updates logged every 5 of 400 sentences: intervals after the first epoch in every run
+    assert sorted(rows) == sorted(["training, target words/s",
+                                   "training after the first epoch, target words/s",
+                                   "generation beam 5, tokens/s", "training peak memory, MB",
+                                   "generation peak memory, MB"])
+    assert len(re.findall(r"(?m)^          after the first epoch \d+ wps$", out)) == 3
     assert len(re.findall(r"\n\| [^|]+ \| annotated_transformer torch-choice \| [\d.]+ \|",
-                          out)) == 4
+                          out)) == 5
     for ours, theirs, ratio, per_round in rows.values():
         assert ours > 0 and theirs > 0 and len(per_round) == 1
         # one round: the median of the ratios is that round's ratio of the figures beside it
@@ -716,6 +720,9 @@ def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_o
     assert "benchmark: stopped (SIGTERM) in round 2 of 2; the tables give the 1 complete rounds" \
         in out
     assert "| medians of 1 rounds |" in out
+    # 10 updates logged every 5: not every run logged an interval after its first epoch
+    assert "(no row for training after the first epoch: not every training command" in out
+    assert "| training after the first epoch" not in out
     rows = [[c.strip() for c in line.strip("| \n").split("|")] for line in out.splitlines()
             if line.startswith("| training, target words/s |")]
     assert [r[1] for r in rows] == ["annotated_transformer", "annotated_transformer torch-choice",
@@ -728,6 +735,23 @@ def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_o
     assert saved["annotated_transformer"]["fused_attention_backends"] == "no-cudnn"
     assert saved["annotated_transformer-torch-choice"]["fused_attention_backends"] == "torch"
     assert [saved[name]["no_packing"] for name in saved] == [False, False, True]
+
+
+def test_training_speed_after_the_first_epoch_leaves_out_the_first_epoch_and_its_boundary():
+    """fairseq-train's json intervals: the whole run's median skips the first interval; the
+    later median takes only epochs after the first, without the interval that crosses into
+    them; None when the run logged nothing after its first epoch; too few intervals: one line."""
+    bench = load_benchmark()
+
+    def log(*intervals):  # (epoch, wps) each, as fairseq-train's train_inner lines
+        return "\n".join(f'2026-11-27 | INFO | train_inner | {{"epoch": {e}, "update": 1.5, '
+                         f'"wps": "{w}", "ups": "1.0"}}' for e, w in intervals) + "\nother line"
+
+    assert bench.training_speeds(log((1, 5), (1, 10), (1, 20), (2, 30), (2, 100), (3, 200),
+                                     (3, 300))) == (65, 200)
+    assert bench.training_speeds(log((1, 5), (1, 10), (1, 20), (2, 30))) == (20, None)
+    with pytest.raises(SystemExit, match="too few logged intervals; raise --train-updates"):
+        bench.training_speeds(log((1, 5)))
 
 
 def test_a_gpu_profile_also_lists_the_operators_by_host_time(capsys):
