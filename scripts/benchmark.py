@@ -1026,7 +1026,8 @@ def run(args, device, work):
                       f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB   (the commands took "
                       f"{train_s:.0f} s and {generate_s:.0f} s)"
                       + (f"\n          training peak {peak_where}" if peak_where else "")
-                      + (f"\n          after the first epoch {later_wps:.0f} wps" if later_wps
+                      + (f"\n          after the first epoch {later_wps:.0f} wps"
+                         if later_wps is not None
                          else "\n          (no logged interval after the first epoch)"),
                       flush=True)
                 if name == OURS and not args.skip_ctranslate2:
@@ -1057,10 +1058,10 @@ def run(args, device, work):
           "median of the per-round ratios | per-round ratios |")
     print("|---|---|---|---|---|---|")
     table = [("train_wps", "training, target words/s"),
-            ("later_wps", "training after the first epoch, target words/s"),
-            ("gen_tps", "generation beam 5, tokens/s"),
-            ("train_mb", "training peak memory, MB"),
-            ("gen_mb", "generation peak memory, MB")]
+             ("later_wps", "training after the first epoch, target words/s"),
+             ("gen_tps", "generation beam 5, tokens/s"),
+             ("train_mb", "training peak memory, MB"),
+             ("gen_mb", "generation peak memory, MB")]
     later_in_every_run = all(None not in res["later_wps"] for res in results.values())
     for key, label in table:
         if key == "later_wps" and not later_in_every_run:
