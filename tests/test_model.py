@@ -201,6 +201,24 @@ def test_a_checkpoint_with_parameters_this_model_lacks_is_refused_in_one_line():
                        learned["encoder.layers.0.self_attn.qkv_proj.weight"])
 
 
+# a fairseq-train checkpoint written before the readable-core redesign, and what it loads with
+PRE_REDESIGN = os.path.join(os.path.dirname(__file__), "data", "pre_redesign")
+PRE_REDESIGN_OVERRIDES = {"data": PRE_REDESIGN, "source_lang": "src", "target_lang": "tgt"}
+
+
+def tiny_training_args(tmp_path, dictionary, *flags):
+    """fairseq-train's parsed arguments for annotated_transformer_tiny on ``dictionary`` (saved
+    under tmp_path for de and en), with ``flags``."""
+    from fairseq import options
+
+    dictionary.save(str(tmp_path / "dict.de.txt"))
+    dictionary.save(str(tmp_path / "dict.en.txt"))
+    command = [str(tmp_path), "--arch", "annotated_transformer_tiny", "--source-lang", "de",
+               "--target-lang", "en", "--user-dir", os.path.dirname(fairseq_plugin.__file__),
+               *flags]
+    return options.parse_args_and_arch(options.get_training_parser(), command)
+
+
 def test_a_checkpoint_whose_flags_name_one_pre_ln_stack_but_has_two_is_refused_with_the_fix(
         tmp_path):
     """Before the normalize-before flags kept fairseq's per-stack meaning, one of them made both
@@ -209,11 +227,11 @@ def test_a_checkpoint_whose_flags_name_one_pre_ln_stack_but_has_two_is_refused_w
     then translates as before."""
     from fairseq import checkpoint_utils
 
-    here = os.path.join(os.path.dirname(__file__), "data", "pre_redesign")
+    here = PRE_REDESIGN
     state = torch.load(os.path.join(here, "checkpoint.pt"), weights_only=False)
     state["cfg"]["model"].decoder_normalize_before = False
     torch.save(state, tmp_path / "one_flag.pt")
-    overrides = {"data": here, "source_lang": "src", "target_lang": "tgt"}
+    overrides = PRE_REDESIGN_OVERRIDES
     with pytest.raises(PluginError, match=(
             "the checkpoint's decoder is pre-LN but these options build a post-LN decoder; "
             ".*load it with --model-overrides "
@@ -241,7 +259,7 @@ def test_fused_attention_backends_reach_every_attention_from_the_flag_and_from_o
     """--fused-attention-backends reaches every attention module from the command line, no-cudnn
     by default; a checkpoint saved before the option existed loads with that default, and
     --model-overrides changes it when it loads; another value gets argparse's one line."""
-    from fairseq import checkpoint_utils, options, tasks
+    from fairseq import checkpoint_utils, tasks
 
     from fairseq_plugin.modules.attention import NO_CUDNN, TORCH_CHOICE, MultiHeadedAttention
 
@@ -249,26 +267,20 @@ def test_fused_attention_backends_reach_every_attention_from_the_flag_and_from_o
         return [m.backends for m in model.modules() if isinstance(m, MultiHeadedAttention)]
 
     d = make_dictionary(40)
-    d.save(str(tmp_path / "dict.de.txt"))
-    d.save(str(tmp_path / "dict.en.txt"))
-    command = [str(tmp_path), "--arch", "annotated_transformer_tiny", "--source-lang", "de",
-               "--target-lang", "en", "--user-dir", os.path.dirname(fairseq_plugin.__file__)]
     for extra, expected in (([], NO_CUDNN), (["--fused-attention-backends", TORCH_CHOICE],
                                              TORCH_CHOICE)):
-        args = options.parse_args_and_arch(options.get_training_parser(), command + extra)
+        args = tiny_training_args(tmp_path, d, *extra)
         model = tasks.setup_task(args).build_model(args)
         modules = len(model.encoder.layers) + 2 * len(model.decoder.layers)
         assert backends(model) == [expected] * modules
     with pytest.raises(SystemExit):
-        options.parse_args_and_arch(options.get_training_parser(),
-                                    command + ["--fused-attention-backends", "cudnn"])
+        tiny_training_args(tmp_path, d, "--fused-attention-backends", "cudnn")
 
-    here = os.path.join(os.path.dirname(__file__), "data", "pre_redesign")
-    overrides = {"data": here, "source_lang": "src", "target_lang": "tgt"}
     for extra, expected in (({}, NO_CUDNN), ({"fused_attention_backends": TORCH_CHOICE},
                                              TORCH_CHOICE)):
         models, _, _ = checkpoint_utils.load_model_ensemble_and_task(
-            [os.path.join(here, "checkpoint.pt")], arg_overrides={**overrides, **extra})
+            [os.path.join(PRE_REDESIGN, "checkpoint.pt")],
+            arg_overrides={**PRE_REDESIGN_OVERRIDES, **extra})
         assert set(backends(models[0])) == {expected}
 
 
@@ -277,21 +289,16 @@ def test_no_packing_runs_training_on_every_position_from_the_flag_and_old_checkp
     """--no-packing: both stacks' feed-forward sub-layers see every position of a padded
     training batch, as the model does without the flag only outside training; without it they
     see the real tokens only, and a checkpoint saved before the option existed packs."""
-    from fairseq import checkpoint_utils, options, tasks
+    from fairseq import checkpoint_utils, tasks
 
     d = make_dictionary(40)
-    d.save(str(tmp_path / "dict.de.txt"))
-    d.save(str(tmp_path / "dict.en.txt"))
-    command = [str(tmp_path), "--arch", "annotated_transformer_tiny", "--source-lang", "de",
-               "--target-lang", "en", "--user-dir", os.path.dirname(fairseq_plugin.__file__),
-               "--dropout", "0"]
     src = random_tokens(d, 4, 7)
     src[1, :4] = d.pad()
     tgt = random_tokens(d, 4, 6)
     tgt[3, 2:] = d.pad()
     real = (int(src.ne(d.pad()).sum()), int(tgt.ne(d.pad()).sum()))
     for extra, rows_expected in (([], real), (["--no-packing"], (src.numel(), tgt.numel()))):
-        args = options.parse_args_and_arch(options.get_training_parser(), command + extra)
+        args = tiny_training_args(tmp_path, d, "--dropout", "0", *extra)
         model = tasks.setup_task(args).build_model(args).train()
         rows = []
         for layer in (model.encoder.layers[0], model.decoder.layers[0]):
@@ -300,10 +307,8 @@ def test_no_packing_runs_training_on_every_position_from_the_flag_and_old_checkp
         model(src, src.ne(d.pad()).sum(1), tgt)
         assert tuple(rows) == rows_expected, extra
 
-    here = os.path.join(os.path.dirname(__file__), "data", "pre_redesign")
     models, _, _ = checkpoint_utils.load_model_ensemble_and_task(
-        [os.path.join(here, "checkpoint.pt")],
-        arg_overrides={"data": here, "source_lang": "src", "target_lang": "tgt"})
+        [os.path.join(PRE_REDESIGN, "checkpoint.pt")], arg_overrides=PRE_REDESIGN_OVERRIDES)
     assert models[0].encoder.skip_padding and models[0].decoder.skip_padding
 
 
@@ -778,10 +783,9 @@ def test_a_checkpoint_from_before_the_redesign_translates_identically():
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
 
-    here = os.path.join(os.path.dirname(__file__), "data", "pre_redesign")
+    here = PRE_REDESIGN
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [os.path.join(here, "checkpoint.pt")],
-        arg_overrides={"data": here, "source_lang": "src", "target_lang": "tgt"})
+        [os.path.join(here, "checkpoint.pt")], arg_overrides=PRE_REDESIGN_OVERRIDES)
     model = models[0].eval()
     expected = torch.load(os.path.join(here, "expected.pt"))
     with torch.no_grad():
