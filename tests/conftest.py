@@ -92,19 +92,58 @@ def random_tokens(dictionary, batch, length, generator=None):
     return torch.randint(dictionary.nspecial, len(dictionary), (batch, length), generator=generator)
 
 
-def cli(name, *args, env=None, check=True, input=None, cwd=None, timeout=900):
-    """Run one of fairseq's CLIs from this venv without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD."""
+def _cli_command_and_env(name, args, env):
+    """The CLI ``name`` of this venv (or on PATH) with ``args``; the environment without
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD."""
     e = dict(os.environ if env is None else env)
     e.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     path = os.path.join(BIN, name)
     if not os.path.exists(path):  # installed elsewhere (pip install --target, on a GPU node)
         path = shutil.which(name) or path
-    proc = subprocess.run([path, *map(str, args)], capture_output=True,
+    return [path, *map(str, args)], e
+
+
+def cli(name, *args, env=None, check=True, input=None, cwd=None, timeout=900):
+    """Run one of fairseq's CLIs from this venv without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD."""
+    command, e = _cli_command_and_env(name, args, env)
+    proc = subprocess.run(command, capture_output=True,
                           text=True, env=e, input=input, cwd=cwd, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n"
                              f"{proc.stdout[-2000:]}")
     return proc
+
+
+class BackgroundCli:
+    """One of fairseq's CLIs started now, as ``cli`` runs it, to be waited for later; its output
+    (stdout and stderr) goes to ``log``, a file, since a pipe nobody reads would stall it."""
+
+    def __init__(self, log, name, *args, cwd=None):
+        command, env = _cli_command_and_env(name, args, None)
+        self.name, self.log = name, log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                         env=env, cwd=cwd)
+
+    def output(self, timeout=900):
+        """Wait for the command; its output, or an AssertionError with the end of its log (a
+        command still running after ``timeout`` seconds is stopped)."""
+        try:
+            returncode = self.proc.wait(timeout)
+            failure = f"failed ({returncode})" if returncode != 0 else None
+        except subprocess.TimeoutExpired:
+            self.stop()
+            failure = f"still ran after {timeout} s, stopped"
+        with open(self.log) as f:
+            text = f.read()
+        if failure:
+            raise AssertionError(f"{self.name} {failure}; its log {self.log} ends:\n{text[-6000:]}")
+        return text
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def assert_one_line_error(proc, *fragments):

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from fairseq.sequence_generator import SequenceGenerator
 
-from conftest import (REPO, REVERSE_SEED, build_tiny_model, cli, make_dictionary, random_tokens,
-                      reverse_data_bin, sharpen)
+from conftest import (REPO, REVERSE_SEED, BackgroundCli, build_tiny_model, cli, make_dictionary,
+                      random_tokens, reverse_data_bin, sharpen)
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.modules import dropout
 from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, NO_CUDNN, TORCH_CHOICE,
@@ -260,38 +260,54 @@ def reverse_bin(tmp_path_factory):
 # bf16 goes through fairseq-hydra-train: fairseq 0.12's command-line --bf16 also switches on --tpu
 # (fairseq-train then looks for a TPU), its trainer itself casts the model to bf16 on a GPU
 PRECISIONS = {"--fp16": ["--fp16"], "--amp": ["--amp"], "bf16 (fairseq-hydra-train)": None}
+MIXED_PRECISION_ON_CPU = ("the GPU's mixed precision: fairseq's --fp16 and --amp need CUDA (on "
+                          "the CPU: 'Torch not compiled with CUDA enabled')")
 
 
-def train_on_cuda(data_bin, save, precision, work):
-    """The reverse task's 30 epochs on the GPU in ``precision`` (a key of PRECISIONS)."""
+def start_training_on_cuda(data_bin, work, precision):
+    """The reverse task's 30 epochs on the GPU in ``precision`` (a key of PRECISIONS), started
+    in the background: its checkpoints under work/checkpoints."""
+    save = work / "checkpoints"
     if PRECISIONS[precision] is None:
-        proc = cli("fairseq-hydra-train", "--config-dir", os.path.join(REPO, "examples", "configs"),
-                   "--config-name", "reverse", f"task.data={data_bin}",
-                   f"checkpoint.save_dir={save}", f"hydra.run.dir={work}/hydra",
-                   "common.cpu=false", "common.bf16=true", f"common.seed={REVERSE_SEED}",
-                   "optimization.max_epoch=30", cwd=work)
-        log = proc.stdout + proc.stderr  # the configuration fairseq's trainer was given
-        assert "'bf16': True" in log and "'tpu': False" in log and "'cpu': False" in log
-        return
+        return BackgroundCli(
+            work / "train.log", "fairseq-hydra-train",
+            "--config-dir", os.path.join(REPO, "examples", "configs"), "--config-name", "reverse",
+            f"task.data={data_bin}", f"checkpoint.save_dir={save}",
+            f"hydra.run.dir={work}/hydra", "common.cpu=false", "common.bf16=true",
+            f"common.seed={REVERSE_SEED}", "optimization.max_epoch=30", cwd=work)
     command = reverse_task.train_command(str(data_bin), str(save), 30, seed=REVERSE_SEED)
-    cli(*[c for c in command if c != "--cpu"], *PRECISIONS[precision])
+    return BackgroundCli(work / "train.log", *[c for c in command if c != "--cpu"],
+                         *PRECISIONS[precision])
 
 
+@pytest.fixture(scope="module")
+def mixed_precision_trainings(reverse_bin, tmp_path_factory):
+    """The three trainings side by side, started when the first of their tests begins (each
+    about 100 s on an H200, mostly the host's work): {precision: (work dir, BackgroundCli)}."""
+    trainings = {}
+    for i, precision in enumerate(PRECISIONS):
+        work = tmp_path_factory.mktemp(f"mixed-precision-{i}")
+        trainings[precision] = work, start_training_on_cuda(reverse_bin, work, precision)
+    yield trainings
+    for _, training in trainings.values():
+        training.stop()
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason=MIXED_PRECISION_ON_CPU)
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_reverse_task_in_mixed_precision_reaches_the_cpu_bar_and_translates_alike_on_cpu(
-        reverse_bin, tmp_path, precision):
-    if DEVICE == "cpu":
-        pytest.skip("the GPU's mixed precision: fairseq's --fp16 and --amp need CUDA (on the "
-                    "CPU: 'Torch not compiled with CUDA enabled')")
-    save = tmp_path / "checkpoints"
-    train_on_cuda(reverse_bin, save, precision, tmp_path)
-    checkpoint = str(save / "checkpoint_last.pt")
+        reverse_bin, mixed_precision_trainings, precision):
+    work, training = mixed_precision_trainings[precision]
+    log = training.output()
+    if PRECISIONS[precision] is None:  # the configuration fairseq's trainer was given
+        assert "'bf16': True" in log and "'tpu': False" in log and "'cpu': False" in log
+    checkpoint = str(work / "checkpoints" / "checkpoint_last.pt")
     outputs = {}
     for device in ("cuda", "cpu"):
         command = reverse_task.generate_command(str(reverse_bin), checkpoint, beam=5)
         if device == "cuda":
             command = [c for c in command if c != "--cpu"]
-        path = tmp_path / f"generate-{device}.txt"
+        path = work / f"generate-{device}.txt"
         path.write_text(cli(*command).stdout)
         outputs[device] = reverse_task.read_generate_output(str(path))
     assert reverse_task.exact_match(outputs["cuda"]) >= 0.95
