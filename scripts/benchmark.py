@@ -859,6 +859,9 @@ def main(argv=None):
     p.add_argument("--cache-lengths", type=lengths_list, default="25,50,100,200")
     p.add_argument("--work-dir", help="keep data and checkpoints here (default: a temp dir)")
     p.add_argument("--skip-cache", action="store_true", help="skip the cache measurements")
+    p.add_argument("--skip-generation", action="store_true",
+                   help="training only: no fairseq-generate, CTranslate2 or cache measurements "
+                        "(training speed and memory in less time)")
     p.add_argument("--skip-ctranslate2", action="store_true",
                    help="skip decoding the exported model with CTranslate2")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -909,6 +912,8 @@ def main(argv=None):
     if args.profile_steps and args.profile_steps > args.steps_in_process:
         p.error(f"--profile-steps {args.profile_steps}: at most the {args.steps_in_process} steps "
                 f"of --steps-in-process")
+    if args.skip_generation and args.decoding_in_process:
+        p.error("--skip-generation --decoding-in-process: the second decodes; leave out one")
     if args.ctranslate2_worker:
         return ctranslate2_worker(*json.loads(args.ctranslate2_worker))
 
@@ -928,6 +933,8 @@ def main(argv=None):
         fairseq_bf16.switch_on()
     if device.kind == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
+    if args.skip_generation:  # (no checkpoint is decoded)
+        args.skip_ctranslate2 = args.skip_cache = True
     if device.kind == "cuda" and not args.skip_ctranslate2 and args.steps_in_process is None:
         p.error("the CTranslate2 comparison runs on the CPU only: add --skip-ctranslate2")
     if args.work_dir and os.path.isdir(args.work_dir) and os.listdir(args.work_dir):
@@ -963,7 +970,7 @@ def run(args, device, work):
         data_bin = make_data(work, args.train_sentences, args.test_sentences, args.vocab)
     src_pad, tgt_pad, n_test = batch_padding(data_bin, args.max_tokens)
     n_decoded = min(n_test, args.test_sentences)
-    gen_bin = (data_bin if n_decoded == n_test
+    gen_bin = (data_bin if n_decoded == n_test or args.skip_generation
                else first_test_sentences(data_bin, n_decoded, work))
     print(f"benchmark: preset {args.preset} {PRESETS[args.preset]} (layers, d_model, d_ff, "
           f"heads), {args.rounds} rounds, {device.kind} {device.precision}"
@@ -972,7 +979,9 @@ def run(args, device, work):
           f"data {data_bin}, "
           f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}\n"
           f"training batches: {src_pad:.1%} source and {tgt_pad:.1%} target positions are "
-          f"padding; decoding the first {n_decoded} of {n_test} test sentences", flush=True)
+          f"padding; " + ("training only (--skip-generation)" if args.skip_generation else
+                          f"decoding the first {n_decoded} of {n_test} test sentences"),
+          flush=True)
     if args.steps_in_process:
         seconds = steps_in_process(data_bin, args.preset, args.max_tokens, args.steps_in_process,
                                    args.profile_steps, device, args.without_packing,
@@ -1012,19 +1021,22 @@ def run(args, device, work):
                     data_bin, arch, args.preset, save, args.train_updates, args.max_tokens,
                     user_dir, device, flags)
                 trained = time.perf_counter()
-                tps, gen_mb = generate_run(gen_bin, os.path.join(save, "checkpoint_last.pt"),
-                                           args.gen_length, args.max_tokens, user_dir, n_decoded,
-                                           device)
-                train_s, generate_s = trained - started, time.perf_counter() - trained
                 res = results[name]
                 res["train_wps"].append(wps)
                 res["later_wps"].append(later_wps)
                 res["train_mb"].append(mb)
-                res["gen_tps"].append(tps)
-                res["gen_mb"].append(gen_mb)
+                generated = ""
+                if not args.skip_generation:
+                    tps, gen_mb = generate_run(gen_bin, os.path.join(save, "checkpoint_last.pt"),
+                                               args.gen_length, args.max_tokens, user_dir,
+                                               n_decoded, device)
+                    res["gen_tps"].append(tps)
+                    res["gen_mb"].append(gen_mb)
+                    generated = (f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB   (the commands "
+                                 f"took {trained - started:.0f} s and "
+                                 f"{time.perf_counter() - trained:.0f} s)")
                 print(f"  round {r + 1} {name:30s} train {wps:8.0f} wps {mb:6.0f} MB   "
-                      f"beam-5 {tps:7.1f} tok/s {gen_mb:6.0f} MB   (the commands took "
-                      f"{train_s:.0f} s and {generate_s:.0f} s)"
+                      + (generated or f"(the command took {trained - started:.0f} s)")
                       + (f"\n          training peak {peak_where}" if peak_where else "")
                       + (f"\n          after the first epoch {later_wps:.0f} wps"
                          if later_wps is not None
@@ -1066,6 +1078,8 @@ def run(args, device, work):
     for key, label in table:
         if key == "later_wps" and not later_in_every_run:
             continue  # said under the table
+        if key.startswith("gen_") and args.skip_generation:
+            continue
         for name in results:
             if name != THEIRS:
                 print(ratio_row(label, name, results[name][key], theirs[key]))

@@ -388,6 +388,8 @@ def test_decoding_part_of_a_test_set_takes_its_first_sentences(tmp_path, dataset
                                "GPU only; add --device cuda"),
     (["--work-dir", "{tmp}/a_file"], "--work-dir {tmp}/a_file is a file; give a new or empty "
                                      "directory"),
+    (["--skip-generation", "--decoding-in-process"], "--skip-generation --decoding-in-process: "
+                                                     "the second decodes; leave out one"),
 ])
 def test_bad_benchmark_options_are_one_error_line_before_any_work(args, message, tmp_path):
     (tmp_path / "a_file").write_text("")
@@ -669,6 +671,23 @@ def test_a_command_that_finished_keeps_its_figures_through_an_abort_in_shutdown_
         with pytest.raises(SystemExit, match=f"benchmark: error: {name} failed"):
             bench.run_measured([scripts[name]], device)
     assert bench.ABORTED_AFTER_FINISHING == ["finished-then-aborted"]
+
+
+def test_skip_generation_measures_training_alone_and_decodes_nothing(tmp_path):
+    """(so it runs on fairseq 0.12.2 too, whose own transformer cannot decode padded batches)"""
+    data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 50, "--test", 16)
+    out = benchmark("--data-bin", str(data_bin), "--rounds", "1", "--train-updates", "20",
+                    "--skip-generation", work=tmp_path / "work")
+    assert "training only (--skip-generation)" in out
+    assert len(re.findall(r"(?m)^  round 1 (?:annotated_transformer|transformer) +train .* MB   "
+                          r"\(the command took \d+ s\)$", out)) == 2, out
+    labels = [line.split("|")[1].strip() for line in out.splitlines()
+              if line.startswith("| ") and "| annotated_transformer |" in line]
+    assert labels == ["training, target words/s", "training after the first epoch, target words/s",
+                      "training peak memory, MB"], out[-2000:]
+    # nothing decoded: no CTranslate2 export, no cache table, no fairseq-generate output
+    assert "CTranslate2" not in out and "| greedy |" not in out and "beam-5" not in out
+    assert not list((tmp_path / "work").rglob("*generate*"))
 
 
 def commands_naming(text):
