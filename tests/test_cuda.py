@@ -283,7 +283,8 @@ def start_training_on_cuda(data_bin, work, precision):
 @pytest.fixture(scope="module")
 def mixed_precision_trainings(reverse_bin, tmp_path_factory):
     """The three trainings side by side, started when the first of their tests begins (each
-    about 100 s on an H200, mostly the host's work): {precision: (work dir, BackgroundCli)}."""
+    about 100 s on an H200, mostly the host's work; all three, also where -k selects fewer
+    tests, and stopped after the module): {precision: (work dir, BackgroundCli)}."""
     trainings = {}
     for i, precision in enumerate(PRECISIONS):
         work = tmp_path_factory.mktemp(f"mixed-precision-{i}")
