@@ -63,9 +63,11 @@ def main(argv=None):
     run(reverse_task.train_command(data_bin, ckpt, args.epochs), os.path.join(w, "train.log"),
         show=fairseq_validation, epochs=args.epochs)
 
-    print("[4/4] fairseq-generate --beam 5", flush=True)
+    print("[4/4] fairseq-generate --beam 5 (checkpoint_best.pt)", flush=True)
     gen_out = os.path.join(w, "generate.txt")
-    run(reverse_task.generate_command(data_bin, os.path.join(ckpt, "checkpoint_last.pt")), gen_out)
+    # the epoch of the lowest validation loss, as fairseq's users decode: exact match swings
+    # from epoch to epoch
+    run(reverse_task.generate_command(data_bin, os.path.join(ckpt, "checkpoint_best.pt")), gen_out)
 
     triples = reverse_task.read_generate_output(gen_out)
     for i in sorted(triples)[: args.examples]:

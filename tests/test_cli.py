@@ -137,10 +137,10 @@ def test_restore_file_continues_training(reverse_run, tmp_path):
     save = tmp_path / "continued"
     proc = cli(*reverse_task.train_command(
         str(reverse_run["data_bin"]), str(save), REVERSE_EPOCHS + 1, seed=REVERSE_SEED,
-        extra=["--restore-file", str(reverse_run["checkpoint"])]))
+        extra=["--restore-file", str(reverse_run["last"])]))
     log = proc.stdout + proc.stderr
     # fairseq names the epoch it resumes at, after the saved one
-    assert f"Loaded checkpoint {reverse_run['checkpoint']} (epoch {REVERSE_EPOCHS + 1} @ " in log
+    assert f"Loaded checkpoint {reverse_run['last']} (epoch {REVERSE_EPOCHS + 1} @ " in log
     assert f"end of epoch {REVERSE_EPOCHS + 1}" in log
     assert (save / "checkpoint_last.pt").exists()
 
@@ -160,7 +160,7 @@ def test_fairseq_validate_gives_the_validation_loss_that_training_logged(reverse
     trained = [line for line in reverse_run["train_log"].splitlines()
                if "valid on 'valid' subset" in line][-1]
     out = cli("fairseq-validate", reverse_run["data_bin"], "--task", "translation",
-              "--user-dir", PLUGIN_DIR, "--path", reverse_run["checkpoint"], "--cpu",
+              "--user-dir", PLUGIN_DIR, "--path", reverse_run["last"], "--cpu",
               "--valid-subset", "valid", "--max-tokens", "4096")  # training's batches
     validated = [line for line in (out.stdout + out.stderr).splitlines()
                  if "valid on 'valid' subset" in line][-1]
@@ -230,7 +230,7 @@ def test_validation_bleu_during_training_equals_fairseq_generates(reverse_run, t
     save = tmp_path / "eval-bleu"
     proc = cli(*reverse_task.train_command(
         str(reverse_run["data_bin"]), str(save), REVERSE_EPOCHS + 1, seed=REVERSE_SEED,
-        extra=["--restore-file", str(reverse_run["checkpoint"]), "--eval-bleu",
+        extra=["--restore-file", str(reverse_run["last"]), "--eval-bleu",
                "--required-batch-size-multiple", "1",  # validate every sentence (#5036)
                "--eval-bleu-args", '{"beam": 5}', "--best-checkpoint-metric", "bleu",
                "--maximize-best-checkpoint-metric"]))

@@ -302,7 +302,7 @@ def test_reverse_task_in_mixed_precision_reaches_the_cpu_bar_and_translates_alik
     log = training.output()
     if PRECISIONS[precision] is None:  # the configuration fairseq's trainer was given
         assert "'bf16': True" in log and "'tpu': False" in log and "'cpu': False" in log
-    checkpoint = str(work / "checkpoints" / "checkpoint_last.pt")
+    checkpoint = str(work / "checkpoints" / "checkpoint_best.pt")  # as the CPU suite's
     outputs = {}
     for device in ("cuda", "cpu"):
         command = reverse_task.generate_command(str(reverse_bin), checkpoint, beam=5)
