@@ -674,7 +674,8 @@ def test_a_command_that_finished_keeps_its_figures_through_an_abort_in_shutdown_
 
 
 def test_skip_generation_measures_training_alone_and_decodes_nothing(tmp_path):
-    """(so it runs on fairseq 0.12.2 too, whose own transformer cannot decode padded batches)"""
+    """Training's round lines and rows only, nothing decoded (so this runs on fairseq 0.12.2
+    too, whose own transformer cannot decode padded batches)."""
     data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 50, "--test", 16)
     out = benchmark("--data-bin", str(data_bin), "--rounds", "1", "--train-updates", "20",
                     "--skip-generation", work=tmp_path / "work")
