@@ -1066,7 +1066,7 @@ def run(args, device, work):
     # each contestant against fairseq's transformer: the ratio of each round's runs, then their
     # median (the machine's speed drifts between rounds more than between the runs of a round)
     theirs = results[THEIRS]
-    print(f"\n| medians of {complete} rounds | model | model | transformer | "
+    print(f"\n| medians of {complete} rounds | model | the model | transformer | "
           "median of the per-round ratios | per-round ratios |")
     print("|---|---|---|---|---|---|")
     table = [("train_wps", "training, target words/s"),
