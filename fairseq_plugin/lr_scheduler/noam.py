@@ -83,7 +83,10 @@ def model_dim_of_the_training(cfg) -> Optional[int]:
     training configuration that ``cfg`` (its ``lr_scheduler`` node) belongs to, with the
     annotated_transformer presets resolved; None when there is no such value."""
     if not OmegaConf.is_config(cfg):
-        return getattr(cfg, "encoder_embed_dim", None)  # an argparse Namespace of all options
+        # built by hand (fairseq's trainer always hands its lr_scheduler node): a Namespace of
+        # all options has the model's d_model; fairseq's registry turns a Namespace into a
+        # NoamConfig first, which has none (so --noam-model-dim is asked for)
+        return getattr(cfg, "encoder_embed_dim", None)
     model = cfg._get_root().get("model")  # omegaconf has no public way up to the root
     if model is None:
         return None

@@ -256,6 +256,9 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
 class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
     """The Annotated Transformer (harvardnlp) inside fairseq.
 
+    The notebook's ``EncoderDecoder.forward`` is fairseq's own ``forward``, inherited: the encoder
+    on the source (which also makes src_mask), then the decoder on the shifted target, attending to
+    the encoder's output (tgt_mask in its ``extract_features``); ``make_model`` builds the pieces.
     Flags keep the names and meanings of fairseq's ``transformer`` wherever the concept is the
     same; the one difference in defaults is pre-LN (the notebook's "norm first") where no
     --*-normalize-before flag is given, see --post-norm.
@@ -340,7 +343,8 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
     def init_parameters_(self):
         """make_model's last step, as the notebook's: Glorot / fan_avg uniform for every matrix.
         Attention modules initialise their own W^Q, W^K, W^V, W^O (each matrix on its own, also
-        where they are stored side by side). Padding embeddings stay zero."""
+        where they are stored side by side). Padding embeddings start at zero (and stay so unless
+        tied to the generator, whose log-softmax over every type gives the padding row a gradient)."""
         attention = {id(p) for m in self.modules() if isinstance(m, MultiHeadedAttention)
                      for p in m.parameters()}
         for p in self.parameters():

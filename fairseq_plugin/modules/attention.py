@@ -160,7 +160,8 @@ def ungroup_queries(x: Tensor, group: int) -> Tensor:
 
 def concat_heads(out: Tensor, group: int) -> Tensor:
     """(B, h, T, d_k) -> (B, T, h * d_k); grouped queries (B / g, h, g * T, d_k) back to their
-    rows on the way (one copy either way)."""
+    rows on the way. A view where the kernel wrote its output as (B, T, h, d_k) in memory (the
+    fused kernel, following Q's layout); otherwise a copy (the written-out kernel, T > 1)."""
     B, h, T, d_k = out.size(0) * group, out.size(1), out.size(2) // group, out.size(3)
     out = out.unflatten(2, (group, T)).permute(0, 2, 3, 1, 4)  # (B / g, g, T, h, d_k)
     return out.reshape(B, T, h * d_k)
