@@ -344,7 +344,7 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         """make_model's last step, as the notebook's: Glorot / fan_avg uniform for every matrix.
         Attention modules initialise their own W^Q, W^K, W^V, W^O (each matrix on its own, also
         where they are stored side by side). Padding embeddings start at zero (and stay so unless
-        tied to the generator, whose log-softmax over every type gives the padding row a gradient)."""
+        tied to the generator: its log-softmax over every type gives the padding row a gradient)."""
         attention = {id(p) for m in self.modules() if isinstance(m, MultiHeadedAttention)
                      for p in m.parameters()}
         for p in self.parameters():
