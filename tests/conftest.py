@@ -122,8 +122,8 @@ class BackgroundCli:
         command, env = _cli_command_and_env(name, args, None)
         self.name, self.log = name, log
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                         env=env, cwd=cwd)
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         cwd=cwd)
 
     def output(self, timeout=900):
         """Wait for the command; its output, or an AssertionError with the end of its log (a
@@ -184,8 +184,8 @@ def reverse_run(tmp_path_factory):
     """The reverse task trained once through fairseq-train (about 2 minutes on 2 cores).
     "checkpoint", what the tests decode: the epoch of the lowest validation loss
     (checkpoint_best.pt, as fairseq's users decode), since exact match swings from epoch to
-    epoch (on one 2-core Xeon: 99.0 % at the best epoch, 27, and 94.6 % at the last, 30);
-    "last": checkpoint_last.pt, where a restored training goes on."""
+    epoch (the README's figures, "Two commands"); "last": checkpoint_last.pt, where a restored
+    training goes on."""
     w = tmp_path_factory.mktemp("reverse")
     raw, data_bin, ckpt = w / "raw", w / "data-bin", w / "checkpoints"
     reverse_task.main([str(raw)])
