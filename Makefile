@@ -80,8 +80,12 @@ install310:
 	@test -n "$(PYTHON310)" || { echo "no python3.10 found (give it as PYTHON310=...)"; exit 1; }
 	$(MAKE) --no-print-directory install $(LANE310)
 
+# Under CI (CI=true) the lane is part of what a green run claims, so a missing python3.10 fails it.
 test-fairseq-0.12.2:
-	@if [ -z "$(PYTHON310)" ]; then \
+	@if [ -z "$(PYTHON310)" ] && [ "$(CI)" = true ]; then \
+	  echo "make test: CI=true but no python3.10 on PATH or in ~/.pyenv for the fairseq 0.12.2 lane; install one or give PYTHON310=..." >&2; \
+	  exit 1; \
+	elif [ -z "$(PYTHON310)" ]; then \
 	  echo "SKIPPED the fairseq 0.12.2 lane: no python3.10 on PATH or in ~/.pyenv (PYTHON310=...)"; \
 	else \
 	  $(MAKE) --no-print-directory install $(LANE310) && \

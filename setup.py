@@ -9,12 +9,18 @@ setup(
                 "attention for beam search, label smoothing and the Noam schedule",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="MIT",
+    classifiers=[
+        "License :: OSI Approved :: MIT License",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
     python_requires=">=3.10",
     packages=find_packages(include=["fairseq_plugin", "fairseq_plugin.*"]),
     install_requires=[
-        "torch>=2.1",  # tested: 2.1.2 and 2.13.0 (README, "Versions")
+        "torch>=2.1",  # tested: 2.1.2 and 2.13.0 (docs/install.md)
         # both provide the ``fairseq`` package; PyPI's 0.12.2 fails to import on Python >= 3.11.
-        # fairseq 0.12.2 needs pip < 24.1 to install (omegaconf 2.0.6's metadata; README).
+        # fairseq 0.12.2 needs pip < 24.1 to install (omegaconf 2.0.6's metadata; docs/install.md).
         'fairseq==0.12.2; python_version < "3.11"',
         'fairseq-fixed==0.12.3.1; python_version >= "3.11"',
         # fairseq 0.12.2 (2022) and torch < 2.3 were built for NumPy 1

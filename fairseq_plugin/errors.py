@@ -152,7 +152,7 @@ def report_unknown_options_in_one_line():
             names = ([f.name for f in dataclasses.fields(e.object_type)]
                      if dataclasses.is_dataclass(e.object_type) else [])
             ours = getattr(e.object_type, "__module__", "").startswith("fairseq_plugin")
-            listed_in = "the README's Flags section" if ours else ""
+            listed_in = "docs/reference.md" if ours else ""
             raise PluginError(f"unknown option {where}: {config} has no field '{e.key}'; "
                               f"{spelling_hint(str(e.key), names, listed_in)}")
 

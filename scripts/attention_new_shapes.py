@@ -9,7 +9,7 @@ calls it, with each choice of ``--fused-attention-backends``, at shapes each new
   new length.
 
 For each shape the first call is timed, then the same call again (the median of a few); the
-difference is what a new shape costs. The hypothesis it tests (README, "On a GPU"): torch's cuDNN
+difference is what a new shape costs. The hypothesis it tests (docs/benchmarks.md, "Caveats"): torch's cuDNN
 backend builds an execution plan for each new shape of its inputs (pytorch #155958), where the
 other backends do not. The operator each choice ran is named (torch.profiler), since torch picks
 the backend per call.

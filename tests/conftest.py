@@ -184,7 +184,7 @@ def reverse_run(tmp_path_factory):
     """The reverse task trained once through fairseq-train (about 2 minutes on 2 cores).
     "checkpoint", what the tests decode: the epoch of the lowest validation loss
     (checkpoint_best.pt, as fairseq's users decode), since exact match swings from epoch to
-    epoch (the README's figures, "Two commands"); "last": checkpoint_last.pt, where a restored
+    epoch (a 2-core Intel Xeon's last epoch read 94.6 %, its best 99.0 %); "last": checkpoint_last.pt, where a restored
     training goes on."""
     w = tmp_path_factory.mktemp("reverse")
     raw, data_bin, ckpt = w / "raw", w / "data-bin", w / "checkpoints"

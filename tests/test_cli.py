@@ -298,8 +298,8 @@ def test_a_transformer_flag_this_model_lacks_fails_with_one_line(reverse_run, tm
     proc = train_quick(reverse_run["data_bin"], tmp_path, *flag)
     assert proc.stderr.strip().splitlines() == [
         f"fairseq_plugin: error: {flag[0]} is a flag of fairseq's transformer that "
-        f"annotated_transformer does not implement; drop it (the README's Flags section lists "
-        f"the flags it has)"]
+        f"annotated_transformer does not implement; drop it (the flag table of docs/reference.md "
+        f"lists the flags it has)"]
     assert not (tmp_path / "ckpt").exists()
 
 

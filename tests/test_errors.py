@@ -129,8 +129,8 @@ def test_a_checkpoint_refused_by_weights_only_is_not_called_damaged(tmp_path, zi
 def test_a_misspelled_name_gets_the_closest_known_one_else_where_the_names_are_listed():
     known = ["encoder_layers", "decoder_layers", "dropout"]
     assert spelling_hint("encoder_layer", known) == "did you mean encoder_layers?"
-    assert spelling_hint("xyz", known, "the README's Flags section") == (
-        "check its spelling (the README's Flags section lists the options)")
+    assert spelling_hint("xyz", known, "docs/reference.md") == (
+        "check its spelling (docs/reference.md lists the options)")
     assert spelling_hint("xyz", known) == "check its spelling"
 
 

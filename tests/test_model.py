@@ -148,7 +148,7 @@ def test_a_misspelled_model_option_is_refused_with_the_closest_name():
                                           r"encoder_layers\?"):
         AnnotatedTransformerModel.options(misspelled)
     unlike_any = OmegaConf.create({"_name": "annotated_transformer", "xyz": 1})
-    with pytest.raises(PluginError, match="check its spelling .the README's Flags section"):
+    with pytest.raises(PluginError, match="check its spelling .docs/reference.md"):
         AnnotatedTransformerModel.options(unlike_any)
 
 

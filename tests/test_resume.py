@@ -5,7 +5,7 @@ checkpoint_last.pt after epoch 1, it does not train epoch 1 again, its update co
 checkpoint's, and every update it makes is taken with the learning rate the uninterrupted run used
 for that update (read from the optimizer as the step runs), for fairseq's inverse_sqrt and for the
 plugin's noam, starting from exactly the parameters the checkpoint holds. fairseq's resume is not
-bit-exact after that (its own transformer drifts too, see the README), so the parameters at the end
+bit-exact after that (its own transformer drifts too, docs/usage.md), so the parameters at the end
 are compared with fairseq's transformer's own gap in the same test.
 """
 

@@ -7,8 +7,7 @@ sequence (y_1, ..., y_m) of symbols one element at a time." (Vaswani et al. 2017
 
 Tensors are batch-first: B batch, S source length, T target length, d d_model. The options and
 their checks are in config.py. Where each of the notebook's pieces lives (EncoderDecoder,
-make_model, Generator, ...): the README's table "Where each idea of the Annotated Transformer
-lives".
+make_model, Generator, ...): docs/code-map.md.
 """
 
 import argparse

@@ -90,8 +90,8 @@ class _UnsupportedFlag(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         raise PluginError(f"{option_string} is a flag of fairseq's transformer that "
-                          f"annotated_transformer does not implement; drop it (the README's "
-                          f"Flags section lists the flags it has)")
+                          f"annotated_transformer does not implement; drop it (the flag table "
+                          f"of docs/reference.md lists the flags it has)")
 
 
 def add_unsupported_transformer_flags(parser) -> None:
@@ -207,6 +207,6 @@ def _check_known_options(cfg, config):
     known = {f.name for f in fields(config)}
     unknown = sorted(k for k in cfg.keys() if k not in known)
     if unknown:
-        hint = spelling_hint(unknown[0], known, "the README's Flags section")
+        hint = spelling_hint(unknown[0], known, "docs/reference.md")
         raise PluginError(f"unknown model option '{unknown[0]}' (model.{unknown[0]}), not a "
                           f"field of {config.__name__}; {hint}")

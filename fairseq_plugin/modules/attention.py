@@ -43,7 +43,7 @@ FUSED, EXPLICIT = "fused", "explicit"
 # (--fused-attention-backends): all but cuDNN (the default), or torch's own choice. torch may
 # choose cuDNN on recent GPUs (it did on an H200), and cuDNN builds an execution plan for every
 # new shape of the inputs (pytorch#155958); a decoding step's keys are one longer at every step,
-# and each training batch has its own shape. Measured: README, "On a GPU".
+# and each training batch has its own shape. Measured: docs/benchmarks.md, "Caveats".
 TORCH_CHOICE, NO_CUDNN = "torch", "no-cudnn"
 _TORCH_HAS_CUDNN_ATTENTION = hasattr(torch.backends.cuda, "enable_cudnn_sdp")  # else none
 

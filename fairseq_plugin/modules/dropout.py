@@ -6,7 +6,7 @@ encodings" (section 5.4). During training every element is zeroed with probabili
 survivors are scaled by 1 / (1 - p).
 
 On CPU, ``torch.nn.functional.dropout`` draws one random number per element from a serial
-generator and keeps a float mask; that is most of its cost (README, "Speed and memory"). Here
+generator and keeps a float mask; that is most of its cost (docs/benchmarks.md). Here
 one 63-bit random integer gives four 15-bit uniform numbers, so a mask costs a quarter of the
 draws, and the mask is kept as booleans (a quarter of the memory).
 The drop probability is rounded to a multiple of 2^-15 (p = 0.1 becomes 0.100006) and the scale

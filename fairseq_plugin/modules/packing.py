@@ -13,7 +13,7 @@ attention kernel's output, which backward keeps anyway, instead of a packed copy
 A ``Packing`` is either ``RealPositions`` or ``AllPositions`` (``NO_PACKING``, the default),
 which leaves a batch as it is.
 The results at real positions are the same either way (tested); only the work on padding is saved
-(README, "Speed and memory"). The model's ``--no-packing`` leaves every batch as it is.
+(docs/benchmarks.md). The model's ``--no-packing`` leaves every batch as it is.
 """
 
 from typing import Optional, Union
