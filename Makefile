@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine with Python:
 #   make demo   creates .venv, installs torch then this package, runs the main job
 #   make test   same set-up, then the test suite; then the same on Python 3.10 with the official
-#               fairseq 0.12.2 (.venv310) where pyenv or PATH has a python3.10
+#               fairseq 0.12.2 (.venv310) where pyenv or PATH has a python3.10 (required with CI=true)
 PYTHON ?= python3
 # torch is installed first, pinned (a later unpinned torch would be the newest CUDA build). pip
 # takes a local CPU wheel of this version where one is configured (this project's CI machines);

@@ -238,3 +238,11 @@ def test_the_readmes_speed_ratios_are_those_of_the_benchmark_tables():
         assert len(ratios) == 4, row
         table = benchmarks.split(heading, 1)[1].split("\n## ", 1)[0]
         assert [r for r in ratios if r not in table] == [], device
+
+
+def test_the_development_page_has_a_line_for_every_test_file():
+    page = read(os.path.join(ROOT, "docs", "development.md"))
+    listed = set(re.findall(r"^\| `(test_\w+\.py)` \|", page, flags=re.M))
+    files = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "tests", "test_*.py"))}
+    assert files - listed == set(), "docs/development.md lacks a line for these test files"
+    assert listed - files == set(), "docs/development.md lists test files that do not exist"

@@ -1,4 +1,6 @@
-"""The reverse task, the notebook's first example: "learn to reverse a sequence" of symbols.
+"""The reverse task: "learn to reverse a sequence" of symbols, a sanity task.
+
+(The notebook's first example copies its input instead.)
 
 ``annotated-reverse-data OUT_DIR`` writes {train,valid,test}.{src,tgt}, one space-separated
 sequence per line; the target is the source reversed. Symbols are drawn uniformly from a small
