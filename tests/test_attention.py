@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fairseq_plugin import reference
+from fairseq_plugin.reference_weights import plain_attention
 from conftest import CPU_HALF_DTYPES
 from fairseq_plugin.modules.attention import (
     EXPLICIT,
@@ -17,27 +18,9 @@ from fairseq_plugin.modules.attention import (
 )
 
 
-def plain_copy(fast: MultiHeadedAttention) -> reference.MultiHeadedAttention:
-    """The notebook's MultiHeadedAttention (fairseq_plugin.reference) with the weights of ``fast``,
-    which stores W^Q, W^K, W^V side by side."""
-    if fast.self_attention:  # [W^Q; W^K; W^V]
-        weights, biases = fast.qkv_proj.weight.chunk(3), fast.qkv_proj.bias.chunk(3)
-    else:  # W^Q and [W^K; W^V], whose inputs may be wider (d_memory)
-        weights = (fast.q_proj.weight, *fast.kv_proj.weight.chunk(2))
-        biases = (fast.q_proj.bias, *fast.kv_proj.bias.chunk(2))
-    d_memory = None if fast.self_attention else fast.kv_proj.in_features
-    plain = reference.MultiHeadedAttention(fast.h, fast.h * fast.d_k, d_memory=d_memory)
-    with torch.no_grad():
-        for linear, w, b in zip((plain.w_q, plain.w_k, plain.w_v), weights, biases):
-            linear.weight.copy_(w)
-            linear.bias.copy_(b)
-        plain.w_o.load_state_dict(fast.out_proj.state_dict())
-    return plain
-
-
 def seed_formula(x, memory, attn, mask=None):
     """The notebook's MultiHeadedAttention with attn's weights, applied."""
-    plain = plain_copy(attn)
+    plain = plain_attention(attn)
     source = x if attn.self_attention else memory
     return plain(x, source, source, mask)
 

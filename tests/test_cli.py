@@ -18,7 +18,7 @@ from conftest import (PLUGIN_DIR, REPO, REVERSE_EPOCHS, REVERSE_SEED, assert_one
 def test_training_logs_noam_rate_and_label_smoothed_loss(reverse_run):
     """The rate fairseq-train logs is noam's formula at that update; the loss is the smoothed
     one (with --label-smoothing 0 it would equal nll_loss)."""
-    from fairseq_plugin.lr_scheduler.noam import noam_rate
+    from fairseq_plugin.reference import rate as noam_rate
     log = reverse_run["train_log"]
     assert "noam: lr = 1.0 * 64^-0.5 * min(step^-0.5, step * 200^-1.5)" in log
     intervals = [dict(re.findall(r"(\w+)=([^,\s]+)", line))  # ... loss=5.218, nll_loss=...

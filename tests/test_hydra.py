@@ -12,7 +12,7 @@ import torch
 
 from conftest import REPO, cli, reverse_data_bin
 from fairseq_plugin.cli import reverse_task
-from fairseq_plugin.lr_scheduler.noam import noam_rate
+from fairseq_plugin.reference import rate as noam_rate
 
 RECIPES = os.path.join(REPO, "examples", "configs")
 EPOCHS = 2

@@ -16,7 +16,8 @@ from fairseq_plugin.modules.cache import (Ancestry, BeamReorder, SelfAttentionCa
                                           SourceAttentionCache, plan_reorder, repeats_rows)
 from fairseq_plugin.models.annotated_transformer import source_mask
 from fairseq_plugin.modules import attention as attention_module
-from fairseq_plugin.reference import greedy_decode
+from fairseq_plugin.reference import greedy_decode, src_mask_of
+from fairseq_plugin.reference_weights import plain_model, right_padded
 from fairseq_plugin.testing.operations import OperationCounter, counting_step_calls
 from fairseq_plugin.testing.recomputing import cached_rows, without_cache
 
@@ -636,13 +637,16 @@ def test_grouped_history_attention_equals_attention_over_each_rows_own_history()
 
 
 def test_cached_greedy_decoding_equals_the_notebooks_greedy_decode():
-    """The reference greedy decoding (whole prefix re-run at every step) is the oracle."""
+    """The notebook's greedy decoding (the whole prefix re-run at every step) by the plain model
+    with the same weights (reference.py) is the oracle."""
     d = make_dictionary(40)
     model = build_tiny_model(d)
     with torch.no_grad():
         model.decoder.generator.proj.weight.mul_(4.0)
     src, lengths = padded_sources(d, [6, 9, 4], left_pad=True)
-    expected = greedy_decode(model, src, lengths, max_len=8)
+    plain_src = right_padded(src, d.pad())
+    expected = greedy_decode(plain_model(model), plain_src, src_mask_of(plain_src, d.pad()),
+                             max_len=9, start_symbol=d.eos())[:, 1:]
     with torch.no_grad():
         encoder_out, state = model.encoder(src, lengths), {}
         ys = torch.full((3, 1), d.eos())

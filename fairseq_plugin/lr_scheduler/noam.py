@@ -16,14 +16,9 @@ from fairseq.optim.lr_scheduler import FairseqLRScheduler, register_lr_scheduler
 from omegaconf import OmegaConf
 
 from ..errors import PluginError
+from ..reference import rate  # the notebook's formula, as it is
 
 logger = logging.getLogger(__name__)
-
-
-def noam_rate(step: int, model_dim: int, factor: float, warmup: int) -> float:
-    """factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5); step 0 counts as step 1."""
-    step = max(step, 1)
-    return factor * model_dim ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 
 
 @dataclass
@@ -40,7 +35,8 @@ class NoamConfig(FairseqDataclass):
 
 @register_lr_scheduler("noam", dataclass=NoamConfig)
 class NoamSchedule(FairseqLRScheduler):
-    """Sets the learning rate after every update to ``noam_rate`` (``--lr`` is not used)."""
+    """Sets the learning rate after every update to the notebook's ``rate`` (``--lr`` is not
+    used)."""
 
     def __init__(self, cfg: NoamConfig, optimizer):
         super().__init__(cfg, optimizer)
@@ -66,7 +62,7 @@ class NoamSchedule(FairseqLRScheduler):
         self.step_update(0)
 
     def rate(self, step: int) -> float:
-        return noam_rate(step, self.model_dim, self.factor, self.warmup)
+        return rate(step, self.model_dim, self.factor, self.warmup)
 
     def step(self, epoch, val_loss=None):
         super().step(epoch, val_loss)
