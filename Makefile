@@ -35,7 +35,7 @@ TESTS_MODEL = tests/test_attention.py tests/test_criterion_and_schedule.py tests
               tests/test_cli.py tests/test_export.py tests/test_cuda.py
 TESTS_PIPELINE = $(filter-out $(TESTS_MODEL),$(sort $(wildcard tests/test_*.py)))
 
-.PHONY: demo demo-reverse test test-main test-fairseq-0.12.2 test-gpu install install310 clean clean-work FORCE
+.PHONY: demo demo-reverse demo-copy test test-main test-fairseq-0.12.2 test-gpu install install310 clean clean-work FORCE
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,10 @@ demo: install
 
 demo-reverse: install
 	$(PY) scripts/reverse_demo.py --work-dir $(WORK)/reverse
+
+# the notebook's first example: copying random symbols, decoded greedily
+demo-copy: install
+	$(PY) scripts/reverse_demo.py --task copy --work-dir $(WORK)/copy
 
 # both lanes: this Python with fairseq-fixed, then Python 3.10 with the official fairseq 0.12.2
 test: test-main test-fairseq-0.12.2

@@ -1,11 +1,12 @@
-"""The reverse task: "learn to reverse a sequence" of symbols, a sanity task.
+"""Two synthetic sanity tasks: the notebook's first example, copying a sequence of symbols, and
+"learn to reverse a sequence".
 
-(The notebook's first example copies its input instead.)
-
-``annotated-reverse-data OUT_DIR`` writes {train,valid,test}.{src,tgt}, one space-separated
-sequence per line; the target is the source reversed. Symbols are drawn uniformly from a small
-alphabet, so the only way to do well is to learn the task itself. The fairseq-train and
-fairseq-generate commands used by scripts/reverse_demo.py and the tests are here too.
+``annotated-copy-data OUT_DIR`` and ``annotated-reverse-data OUT_DIR`` write
+{train,valid,test}.{src,tgt}, one space-separated sequence per line; the target is the source
+copied, or reversed. Symbols are drawn uniformly from a small alphabet, so the only way to do
+well is to learn the task itself. The copy task's defaults are the notebook's: sequences of 10
+symbols from a vocabulary of 10. The fairseq-train and fairseq-generate commands used by
+scripts/reverse_demo.py and the tests are here too.
 """
 
 import argparse
@@ -15,15 +16,19 @@ import random
 from .common import fairseq_cli, plugin_dir
 
 ALPHABET = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+# the target of each task, from the source; and the task's defaults (length, alphabet size)
+TASKS = {"reverse": (lambda seq: seq[::-1], dict(min_len=3, max_len=12, vocab=20)),
+         "copy": (lambda seq: seq, dict(min_len=10, max_len=10, vocab=10))}
 
 
 def write_split(path_prefix: str, count: int, rng: random.Random, min_len: int, max_len: int,
-                vocab: int) -> None:
+                vocab: int, task: str = "reverse") -> None:
+    target_of = TASKS[task][0]
     with open(path_prefix + ".src", "w") as src, open(path_prefix + ".tgt", "w") as tgt:
         for _ in range(count):
             seq = [rng.choice(ALPHABET[:vocab]) for _ in range(rng.randint(min_len, max_len))]
             src.write(" ".join(seq) + "\n")
-            tgt.write(" ".join(reversed(seq)) + "\n")
+            tgt.write(" ".join(target_of(seq)) + "\n")
 
 
 def read_generate_output(path):
@@ -69,15 +74,17 @@ def generate_command(data_bin, checkpoint, beam=5):
             "--cpu"]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, task="reverse"):
+    defaults = TASKS[task][1]
+    p = argparse.ArgumentParser(description=f"Write the {task} task's data.")
     p.add_argument("out_dir")
     p.add_argument("--train", type=int, default=20000, help="training pairs")
     p.add_argument("--valid", type=int, default=500)
     p.add_argument("--test", type=int, default=500)
-    p.add_argument("--min-len", type=int, default=3)
-    p.add_argument("--max-len", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=20, help=f"alphabet size (at most {len(ALPHABET)})")
+    p.add_argument("--min-len", type=int, default=defaults["min_len"])
+    p.add_argument("--max-len", type=int, default=defaults["max_len"])
+    p.add_argument("--vocab", type=int, default=defaults["vocab"],
+                   help=f"alphabet size (at most {len(ALPHABET)})")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     if not 1 <= args.vocab <= len(ALPHABET):
@@ -93,7 +100,12 @@ def main(argv=None):
     rng = random.Random(args.seed)
     for split in ("train", "valid", "test"):
         write_split(os.path.join(args.out_dir, split), getattr(args, split), rng, args.min_len,
-                    args.max_len, args.vocab)
+                    args.max_len, args.vocab, task)
+
+
+def copy_main(argv=None):
+    """annotated-copy-data: the notebook's copy task."""
+    main(argv, task="copy")
 
 
 if __name__ == "__main__":
