@@ -33,9 +33,11 @@ LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= P
 TESTS_MODEL = tests/test_attention.py tests/test_criterion_and_schedule.py tests/test_dropout.py \
               tests/test_incremental_decoding.py tests/test_mixed_precision.py tests/test_model.py \
               tests/test_cli.py tests/test_export.py tests/test_cuda.py
-TESTS_PIPELINE = $(filter-out $(TESTS_MODEL),$(sort $(wildcard tests/test_*.py)))
+TESTS_PIPELINE = $(filter-out $(TESTS_MODEL) $(TESTS_WALKTHROUGH),$(sort $(wildcard tests/test_*.py)))
+# the walkthrough runs once, in the main lane (about 5 minutes)
+TESTS_WALKTHROUGH = tests/test_walkthrough.py
 
-.PHONY: demo demo-reverse demo-copy test test-main test-fairseq-0.12.2 test-gpu install install310 clean clean-work FORCE
+.PHONY: demo demo-reverse demo-copy walkthrough walkthrough-run test test-main test-fairseq-0.12.2 test-gpu install install310 clean clean-work FORCE
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +69,16 @@ demo: install
 demo-reverse: install
 	$(PY) scripts/reverse_demo.py --work-dir $(WORK)/reverse
 
+# examples/walkthrough: the notebook's sections on this package, in Jupyter (installs the
+# walkthrough extra: JupyterLab, jupytext), or run headless, its figures written
+walkthrough: install
+	$(PY) -m pip install --quiet ".[walkthrough]"
+	cd examples/walkthrough && ../../$(VENV)/bin/jupyter lab walkthrough.ipynb
+
+walkthrough-run: install
+	cd examples/walkthrough && ../../$(PY) -m jupytext --execute --run-path . --to ipynb \
+	    --output work/walkthrough.ipynb walkthrough.py
+
 # the notebook's first example: copying random symbols, decoded greedily
 demo-copy: install
 	$(PY) scripts/reverse_demo.py --task copy --work-dir $(WORK)/copy
@@ -77,6 +89,7 @@ test: test-main test-fairseq-0.12.2
 test-main: install
 	$(PY) -m pytest -q -rs $(TESTS_MODEL)
 	$(PY) -m pytest -q -rs $(TESTS_PIPELINE)
+	$(PY) -m pytest -q -rs $(TESTS_WALKTHROUGH)
 	@echo "the GPU lane's tests on the CPU (their code, not the GPU's paths):"
 	ANNOTATED_TEST_DEVICE=cpu $(PY) -m pytest -q -rs -m cuda -k "not two_ranks and not mixed_precision" tests
 

@@ -29,8 +29,13 @@ setup(
         "subword-nmt",
         "sacrebleu>=2",
     ],
-    extras_require={"test": ["pytest", "matplotlib", "ctranslate2"], "viz": ["matplotlib"],
-                    "export": ["ctranslate2"]},
+    extras_require={"test": ["pytest", "matplotlib", "ctranslate2", "jupytext", "nbclient",
+                             "ipykernel"],
+                    "viz": ["matplotlib"],
+                    "export": ["ctranslate2"],
+                    # examples/walkthrough in Jupyter (make walkthrough)
+                    "walkthrough": ["matplotlib", "jupytext", "nbclient", "ipykernel",
+                                    "jupyterlab"]},
     entry_points={
         "console_scripts": [
             "annotated-prepare=fairseq_plugin.cli.prepare:main",
@@ -41,6 +46,7 @@ setup(
             "annotated-reverse-data=fairseq_plugin.cli.reverse_task:main",
             "annotated-copy-data=fairseq_plugin.cli.reverse_task:copy_main",
             "annotated-export-fairseq=fairseq_plugin.export:main",
+            "annotated-benchmark=fairseq_plugin.benchmark.main:main",
         ],
     },
 )

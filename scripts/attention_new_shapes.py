@@ -22,16 +22,13 @@ the backend per call.
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fairseq_plugin.modules.attention import (FUSED, NO_CUDNN, TORCH_CHOICE,  # noqa: E402
-                                               attend, group_queries)
-from fairseq_plugin.modules.cache import MIN_CAPACITY, aligned  # noqa: E402
-from fairseq_plugin.modules.dropout import Dropout  # noqa: E402
+from fairseq_plugin.modules.attention import FUSED, NO_CUDNN, TORCH_CHOICE, attend, group_queries
+from fairseq_plugin.modules.cache import MIN_CAPACITY, aligned
+from fairseq_plugin.modules.dropout import Dropout
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 HEADS, D_K, SENTENCES, BEAM = 8, 64, 8, 5

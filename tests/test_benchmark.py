@@ -1,4 +1,5 @@
-"""scripts/benchmark.py runs end to end on a tiny job, and its ratios are its own figures'."""
+"""annotated-benchmark (fairseq_plugin.benchmark) runs end to end on a tiny job, and its ratios are
+its own figures'."""
 
 import importlib.util
 import os
@@ -10,9 +11,12 @@ import sys
 import pytest
 import torch
 
-from conftest import FAIRSEQ_BREAKS_POST_LN, REPO, reverse_data_bin
+from conftest import FAIRSEQ_BREAKS_POST_LN, REPO, preprocess_reverse, reverse_data_bin
 
-BENCHMARK = os.path.join(REPO, "scripts", "benchmark.py")
+from fairseq_plugin.benchmark import (common, cuda_peak, data, memory, mfu, profiling, report,
+                                      runs, steps, storage_peak)
+
+BENCHMARK = [sys.executable, "-m", "fairseq_plugin.benchmark"]  # annotated-benchmark
 
 
 def load_script(name):
@@ -23,22 +27,17 @@ def load_script(name):
     return module
 
 
-def load_benchmark():
-    return load_script("benchmark")
-
-
-# the CPU's step peak (scripts/storage_peak.py) watches storages' Python objects: torch 2.1.2's
-# do not live as long as their storages
-STORAGE_PEAK = load_script("storage_peak")
+# the CPU's step peak (storage_peak) watches storages' Python objects: torch 2.1.2's do not live
+# as long as their storages
 needs_watchable_storages = pytest.mark.skipif(
-    not STORAGE_PEAK.storages_keep_their_python_object(), reason=STORAGE_PEAK.UNSUPPORTED)
+    not storage_peak.storages_keep_their_python_object(), reason=storage_peak.UNSUPPORTED)
 
 TINY = ["--data", "synthetic", "--train-sentences", "400", "--test-sentences", "16",
         "--preset", "tiny", "--max-tokens", "1024"]
 
 
 def benchmark(*args, work):
-    proc = subprocess.run([sys.executable, BENCHMARK, *TINY, "--work-dir", str(work), *args],
+    proc = subprocess.run([*BENCHMARK, *TINY, "--work-dir", str(work), *args],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -53,7 +52,6 @@ def test_gpu_paths_on_cpu_give_our_model_torchs_dropout_and_a_gpus_rows_without_
     there, and the process's setting is restored after."""
     from fairseq_plugin.modules import attention, dropout
 
-    bench = load_benchmark()
     data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 20, "--test", 10)
     calls = {"cpu mask": 0, "rows without keys handled": 0}
     cpu_dropout, attend = dropout._CpuDropout.apply, attention.attend
@@ -69,19 +67,19 @@ def test_gpu_paths_on_cpu_give_our_model_torchs_dropout_and_a_gpus_rows_without_
     monkeypatch.setattr(attention, "attend", counted(
         "rows without keys handled", attend, lambda result: result[2] is not None))
     zeroes = attention.fused_kernel_zeroes_empty_rows
-    bench.steps_in_process(str(data_bin), "tiny", 1024, 2, gpu_paths=True)
+    steps.steps_in_process(str(data_bin), "tiny", 1024, 2, gpu_paths=True)
     assert calls["cpu mask"] == 0
     assert calls["rows without keys handled"] > 0  # the reverse task's sources are padded
     assert attention.fused_kernel_zeroes_empty_rows is zeroes
     calls.update({name: 0 for name in calls})
-    bench.steps_in_process(str(data_bin), "tiny", 1024, 2)  # the CPU's own paths
+    steps.steps_in_process(str(data_bin), "tiny", 1024, 2)  # the CPU's own paths
     assert calls["cpu mask"] > 0
     if zeroes(torch.zeros(1)):  # torch >= 2.5: the CPU's kernel zeroes such rows itself
         assert calls["rows without keys handled"] == 0
-    proc = subprocess.run([sys.executable, BENCHMARK, "--device", "cuda", "--steps-in-process",
+    proc = subprocess.run([*BENCHMARK, "--device", "cuda", "--steps-in-process",
                            "2", "--gpu-paths-on-cpu"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1] == ("benchmark.py: error: --gpu-paths-on-cpu: on a GPU "
+    assert proc.stderr.splitlines()[-1] == ("annotated-benchmark: error: --gpu-paths-on-cpu: on a GPU "
                                             "the model takes them anyway; leave it out there")
 
 @pytest.mark.skipif(FAIRSEQ_BREAKS_POST_LN, reason="fairseq 0.12.2's own transformer (post-LN) "
@@ -112,7 +110,8 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
                                    "training after the first epoch, target words/s",
                                    "generation beam 5, tokens/s", "training peak memory, MB",
                                    "generation peak memory, MB"])
-    assert len(re.findall(r"(?m)^          after the first epoch \d+ wps$", out)) == 3
+    assert len(re.findall(r"(?m)^          after the first epoch \d+ wps, [\d.]+ TFLOP/s, "
+                          r"[\d.]+% MFU$", out)) == 3, out[:3000]
     assert len(re.findall(r"\n\| [^|]+ \| annotated_transformer torch-choice \| [\d.]+ \|",
                           out)) == 5
     for ours, theirs, ratio, per_round in rows.values():
@@ -190,8 +189,8 @@ def test_steps_in_process_time_the_models_and_profile_their_matrix_products(tmp_
     assert "\n| made by (grad_fn, dtype) | annotated_transformer, MiB | transformer, MiB |\n" in out
     assert ("\nkept for backward by one training forward of the timed batch with the most "
             "positions (") in out
-    if not STORAGE_PEAK.storages_keep_their_python_object():
-        assert f"\n(no step peaks on the CPU: {STORAGE_PEAK.UNSUPPORTED})\n" in out
+    if not storage_peak.storages_keep_their_python_object():
+        assert f"\n(no step peaks on the CPU: {storage_peak.UNSUPPORTED})\n" in out
         assert "held at its peak" not in out
         return
     # on the CPU what one step holds at its peak is counted by storage (storage_peak): at least
@@ -213,7 +212,6 @@ def test_what_is_kept_for_backward_is_counted_once_per_storage_by_the_operator_t
     """kept_for_backward: each saved storage once, parameters (and views of them) excluded, under
     the grad_fn (and dtype) of the tensor saved. A stand-in trainer: relu(x W^T) * m + x * W[0],
     summed; x is a leaf used twice, m is made outside autograd."""
-    bench = load_benchmark()
 
     class Trainer:
         model = torch.nn.Linear(256, 256, bias=False)
@@ -228,7 +226,7 @@ def test_what_is_kept_for_backward_is_counted_once_per_storage_by_the_operator_t
             return sample, False
 
     x = torch.ones(1024, 256, requires_grad=True)  # 1 MiB
-    kept = bench.kept_for_backward(Trainer(), {"x": x, "m": torch.rand(1024, 256)})
+    kept = memory.kept_for_backward(Trainer(), {"x": x, "m": torch.rand(1024, 256)})
     # x (kept by both products), relu's output and m, 1 MiB each; W^T and W[0] are parameters'
     assert kept == {"leaf float32": 1.0, "ReluBackward0 float32": 1.0, "no grad float32": 1.0}
 
@@ -242,32 +240,31 @@ def test_steps_in_process_read_each_models_step_peak_around_one_training_step(
     printed are its own."""
     from fairseq.trainer import Trainer
 
-    bench = load_benchmark()
     data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 20, "--test", 10)
-    steps = []
+    stepped = []
     train_step = Trainer.train_step
     monkeypatch.setattr(Trainer, "train_step", lambda self, samples, *a, **k: (
-        steps.append(self.model), train_step(self, samples, *a, **k))[1])
+        stepped.append(self.model), train_step(self, samples, *a, **k))[1])
 
     class Recorder:  # each step's peak beyond what was allocated before it: 10, 11, ... MiB
         readings = []
 
         def peak_of(self, work):
-            before = len(steps)
+            before = len(stepped)
             work()
-            assert len(steps) == before + 1  # one step of work
-            self.readings.append(type(steps[-1]).__name__)
+            assert len(stepped) == before + 1  # one step of work
+            self.readings.append(type(stepped[-1]).__name__)
             return (10 + len(self.readings) - 1) * 2 ** 20
 
         def live_at_peak_of(self, work):  # cuda_peak.PeakCounter's: one step of the model
-            before = len(steps)
+            before = len(stepped)
             work()
-            assert len(steps) == before + 1
-            model = type(steps[-1]).__name__
+            assert len(stepped) == before + 1
+            model = type(stepped[-1]).__name__
             return 3 * 2 ** 20, {f"{model}.py:1 forward": 2 * 2 ** 20, "(before)": 2 ** 19,
                                  **{f"small.py:{i} f": 2 ** 17 for i in range(8)}}
 
-    bench.steps_in_process(str(data_bin), "tiny", 1024, 2, memory=Recorder())
+    steps.steps_in_process(str(data_bin), "tiny", 1024, 2, memory=Recorder())
     out = capsys.readouterr().out
     # two batches (the most target padding, the most positions), each model's step on each
     assert Recorder.readings == ["AnnotatedTransformerModel", "TransformerModel"] * 2
@@ -290,10 +287,10 @@ def test_steps_in_process_read_each_models_step_peak_around_one_training_step(
 
 
 def test_step_options_without_steps_in_process_are_one_error_line():
-    proc = subprocess.run([sys.executable, BENCHMARK, "--without-packing"], capture_output=True,
+    proc = subprocess.run([*BENCHMARK, "--without-packing"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1] == ("benchmark.py: error: --profile-steps, "
+    assert proc.stderr.splitlines()[-1] == ("annotated-benchmark: error: --profile-steps, "
                                             "--without-packing and --gpu-paths-on-cpu go with "
                                             "--steps-in-process N")
 
@@ -322,23 +319,23 @@ def test_bf16_trains_and_decodes_in_bf16_though_fairseq_012_ties_its_flag_to_tpu
 
 def test_a_work_dir_with_files_is_one_error_line_not_a_resumed_run(tmp_path):
     (tmp_path / "annotated_transformer-round0").mkdir()
-    proc = subprocess.run([sys.executable, BENCHMARK, "--work-dir", str(tmp_path)],
+    proc = subprocess.run([*BENCHMARK, "--work-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1] == (
-        f"benchmark.py: error: --work-dir {tmp_path} is not empty (fairseq-train would resume "
+        f"annotated-benchmark: error: --work-dir {tmp_path} is not empty (fairseq-train would resume "
         "its checkpoints); give a new or empty directory, and --data-bin DIR to reuse prepared "
         "data")
 
 
 def test_a_ratio_row_gives_the_median_of_the_per_round_ratios_not_the_ratio_of_medians():
-    row = load_benchmark().ratio_row("train", "ours", [100, 300], [200, 100])
+    row = report.ratio_row("train", "ours", [100, 300], [200, 100])
     # medians 200 and 150 (ratio 1.33); per-round ratios 0.5 and 3.0, their median 1.75
     assert row == "| train | ours | 200 | 150 | 1.75x | 0.50 3.00 |"
 
 
 def test_rounds_alternate_the_order_so_that_even_rounds_balance_it():
-    alternated = load_benchmark().alternated
+    alternated = common.alternated
     orders = [alternated(["A", "B", "C"], i) for i in range(4)]
     assert orders == [["A", "B", "C"], ["C", "B", "A"], ["A", "B", "C"], ["C", "B", "A"]]
     for model in "ABC":  # over an even number of rounds every place is each model's equally often
@@ -358,7 +355,7 @@ def test_decoding_part_of_a_test_set_takes_its_first_sentences(tmp_path, dataset
     cli("fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
         *[f for s in ("train", "valid", "test") for f in (f"--{s}pref", f"{tmp_path}/raw/{s}")],
         "--destdir", data_bin, "--joined-dictionary", "--dataset-impl", dataset_impl)
-    subset = load_benchmark().first_test_sentences(str(data_bin), 7, str(tmp_path / "work"))
+    subset = data.first_test_sentences(str(data_bin), 7, str(tmp_path / "work"))
     for lang in ("src", "tgt"):
         d = Dictionary.load(os.path.join(data_bin, f"dict.{lang}.txt"))
         full, first = (data_utils.load_indexed_dataset(os.path.join(folder, f"test.src-tgt.{lang}"),
@@ -390,24 +387,26 @@ def test_decoding_part_of_a_test_set_takes_its_first_sentences(tmp_path, dataset
                                      "directory"),
     (["--skip-generation", "--decoding-in-process"], "--skip-generation --decoding-in-process: "
                                                      "the second decodes; leave out one"),
+    (["--also-transformer-without-cudnn"], "--also-transformer-without-cudnn: for a GPU run with "
+                                           "cuDNN attention allowed; add --device cuda, leave "
+                                           "out --no-cudnn-attention"),
 ])
 def test_bad_benchmark_options_are_one_error_line_before_any_work(args, message, tmp_path):
     (tmp_path / "a_file").write_text("")
-    proc = subprocess.run([sys.executable, BENCHMARK, *[a.format(tmp=tmp_path) for a in args]],
+    proc = subprocess.run([*BENCHMARK, *[a.format(tmp=tmp_path) for a in args]],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1] == "benchmark.py: error: " + message.format(tmp=tmp_path)
+    assert proc.stderr.splitlines()[-1] == "annotated-benchmark: error: " + message.format(tmp=tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
 def test_without_cudnn_attention_every_gpu_process_switches_it_off_before_fairseq_runs():
-    bench = load_benchmark()
-    command = bench.Device("cuda", "fp16", cudnn_attention=False).command(["fairseq-generate", "x"])
+    command = common.Device("cuda", "fp16", cudnn_attention=False).command(["fairseq-generate", "x"])
     setup = setup_code(command)
-    assert (setup.index("import sys, torch;") < setup.index(
+    assert (setup.index("import importlib.util, sys, torch;") < setup.index(
         "torch.backends.cuda.enable_cudnn_sdp(False);") < setup.index("cli_process.run("))
     assert command[-2:] == ["fairseq-generate", "x"]
-    assert "enable_cudnn_sdp" not in setup_code(bench.Device("cuda", "fp16").command(["x"]))
+    assert "enable_cudnn_sdp" not in setup_code(common.Device("cuda", "fp16").command(["x"]))
 
 
 def setup_code(command):
@@ -465,9 +464,8 @@ class StandInAllocator:
 
 def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsys):
     """fairseq's trainer resets torch.cuda's peak counter after every step; what the benchmark
-    reads (scripts/cuda_peak.py, set up in every GPU process before fairseq runs) is still the
+    reads (cuda_peak.py, set up in every GPU process before fairseq runs) is still the
     most allocated at once over the whole command. A stand-in for torch.cuda counts here."""
-    cuda_peak = load_script("cuda_peak")
 
     at_exit = []
     monkeypatch.setattr(cuda_peak.atexit, "register", at_exit.append)
@@ -499,20 +497,23 @@ def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsy
         cuda.reset_peak_memory_stats()
 
     assert counter.peak_of(step) == 250 * 2 ** 20  # beyond the 100 MiB allocated before it
-    bench = load_benchmark()
-    gpu = bench.Device("cuda", "fp16")
+    gpu = common.Device("cuda", "fp16")
     out = f"log\n{cuda_peak.PRINTED} 600.0 in training step 2 of 3; 100.0 MB allocated\nend\n"
     assert gpu.peak_mb(out, 0) == 600.0
     assert gpu.peak_where(out) == "in training step 2 of 3; 100.0 MB allocated"
-    assert bench.CPU.peak_mb(out, 7.0) == 7.0 and bench.CPU.peak_where(out) == ""
-    setup = setup_code(bench.Device("cuda", "fp16").command(["fairseq-train", "x"]))
-    assert (setup.index(f"sys.path.insert(0, {bench.SCRIPTS!r});")
-            < setup.index("import cuda_peak; cuda_peak.switch_on();")
+    assert common.CPU.peak_mb(out, 7.0) == 7.0 and common.CPU.peak_where(out) == ""
+    setup = setup_code(common.Device("cuda", "fp16").command(["fairseq-train", "x"]))
+    # the child imports cuda_peak.py by its path, not through the package (whose __init__ would
+    # register the plugin before fairseq imports its --user-dir), and edits no sys.path
+    here = os.path.dirname(cuda_peak.__file__)
+    assert (setup.index(repr(os.path.join(here, "cuda_peak.py")))
+            < setup.index("cuda_peak.switch_on();")
+            < setup.index(repr(os.path.join(here, "cli_process.py")))
             < setup.index("cli_process.run("))
+    assert "sys.path" not in setup and "fairseq_plugin" not in setup.replace(here, "")
 
 
 def test_the_gpu_peak_after_the_last_step_and_without_steps_says_so(monkeypatch, capsys):
-    cuda_peak = load_script("cuda_peak")
     cuda = StandInAllocator()
     counter = cuda_peak.PeakCounter(cuda)
     counter.start()
@@ -528,7 +529,6 @@ def test_live_at_peak_names_the_lines_live_at_the_peak_of_a_recorded_step():
     replays it: the peak beyond what was allocated before, and what was live then by the line
     outside torch that allocated it; memory allocated before and freed during the work counts
     negative, so the peak falls where the allocator's did. A stand-in for torch.cuda here."""
-    cuda_peak = load_script("cuda_peak")
     cuda = StandInAllocator()
     counter = cuda_peak.PeakCounter(cuda)
     cuda._record_memory_history("all")  # an earlier recording: not part of the work's
@@ -563,13 +563,11 @@ def test_where_torch_cannot_watch_storages_the_cpu_peak_is_one_error_and_the_ben
         tmp_path, capsys, monkeypatch):
     """On a torch whose storages do not keep their Python object (2.1.2), storage_peak refuses
     with one line saying so, and steps_in_process prints that line instead of the step peaks."""
-    bench = load_benchmark()  # (puts scripts/ on sys.path: its storage_peak is the one imported)
-    import storage_peak
     monkeypatch.setattr(storage_peak, "storages_keep_their_python_object", lambda: False)
     with pytest.raises(RuntimeError, match=r"^storage_peak: this torch's storages do not keep "):
         storage_peak.StoragePeakCounter().peak_of(lambda: None)
     data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 20, "--test", 10)
-    bench.steps_in_process(str(data_bin), "tiny", 1024, 1)
+    steps.steps_in_process(str(data_bin), "tiny", 1024, 1)
     out = capsys.readouterr().out
     assert f"\n(no step peaks on the CPU: {storage_peak.UNSUPPORTED})\n" in out
     assert "\nkept for backward by one training forward" in out
@@ -581,7 +579,6 @@ def test_the_cpu_peak_counts_each_storage_from_the_operator_that_makes_it_to_its
     """storage_peak, the CPU's counterpart of cuda_peak.PeakCounter: a storage counts from the
     operator that made it until it is freed, views and in-place results add nothing, and one
     alive before the work and freed in it counts negative."""
-    storage_peak = load_script("storage_peak")
     held = [torch.ones(1000)]  # 4000 bytes made before the work
 
     def work():
@@ -603,7 +600,6 @@ def test_the_cpu_peak_counts_each_storage_from_the_operator_that_makes_it_to_its
 def test_the_cpu_peak_counts_no_view_or_in_place_result_of_a_tensor_it_did_not_find(monkeypatch):
     """A tensor alive before the work that the trace did not find among Python's objects (one
     that only C++ holds, say): its views and in-place results inside are not new memory."""
-    storage_peak = load_script("storage_peak")
     monkeypatch.setattr(storage_peak.gc, "get_objects", lambda: [])
     unseen = torch.ones(1000)
 
@@ -617,7 +613,6 @@ def test_the_cpu_peak_counts_no_view_or_in_place_result_of_a_tensor_it_did_not_f
 
 @needs_watchable_storages
 def test_the_cpu_peak_sees_autograds_backward_and_names_the_line_that_ran_it():
-    storage_peak = load_script("storage_peak")
     x = torch.ones(1000, requires_grad=True)
 
     def work():
@@ -633,7 +628,7 @@ def test_the_cpu_peak_sees_autograds_backward_and_names_the_line_that_ran_it():
 
 
 # fairseq CLI stand-ins: a command that finishes and then aborts in Python's shutdown (as fp16
-# fairseq-train did on an H100: scripts/cli_process.py), and two that fail
+# fairseq-train did on an H100: cli_process.py), and two that fail
 ABORTS_AFTER_FINISHING = """
 import atexit, os, queue, threading
 print("done training")
@@ -648,17 +643,16 @@ def test_a_command_that_finished_keeps_its_figures_through_an_abort_in_shutdown_
         tmp_path, capsys):
     """A child that ends its work (exit status 0) and then aborts while Python shuts down keeps
     its output, with a note and a count; one that aborts or fails before its end is an error."""
-    bench = load_benchmark()
-    bench.ABORTED_AFTER_FINISHING.clear()
-    device = bench.Device("cpu", "bf16")  # a child with set-up code (fairseq_bf16), as on a GPU
+    runs.ABORTED_AFTER_FINISHING.clear()
+    device = common.Device("cpu", "bf16")  # a child with set-up code (fairseq_bf16), as on a GPU
     scripts = {}
     for name, code in (("finished-then-aborted", ABORTS_AFTER_FINISHING),
                        ("aborted", ABORTS_BEFORE_FINISHING), ("failed", EXITS_WITH_STATUS_1)):
         scripts[name] = tmp_path / name
         scripts[name].write_text(code)
-    out, _ = bench.run_measured([scripts["finished-then-aborted"]], device)
+    out, _ = runs.run_measured([scripts["finished-then-aborted"]], device)
     assert "done training" in out
-    assert bench.ABORTED_AFTER_FINISHING == ["finished-then-aborted"]
+    assert runs.ABORTED_AFTER_FINISHING == ["finished-then-aborted"]
     note = capsys.readouterr().out
     assert "finished-then-aborted finished (exit status 0), then aborted" in note
     assert "Fatal Python error: Aborted" in note  # faulthandler's report of the threads
@@ -669,8 +663,8 @@ def test_a_command_that_finished_keeps_its_figures_through_an_abort_in_shutdown_
     assert re.search(r"\n  " + alive, note), note
     for name in ("aborted", "failed"):
         with pytest.raises(SystemExit, match=f"benchmark: error: {name} failed"):
-            bench.run_measured([scripts[name]], device)
-    assert bench.ABORTED_AFTER_FINISHING == ["finished-then-aborted"]
+            runs.run_measured([scripts[name]], device)
+    assert runs.ABORTED_AFTER_FINISHING == ["finished-then-aborted"]
 
 
 def test_skip_generation_measures_training_alone_and_decodes_nothing(tmp_path):
@@ -689,6 +683,23 @@ def test_skip_generation_measures_training_alone_and_decodes_nothing(tmp_path):
     # nothing decoded: no CTranslate2 export, no cache table, no fairseq-generate output
     assert "CTranslate2" not in out and "| greedy |" not in out and "beam-5" not in out
     assert not list((tmp_path / "work").rglob("*generate*"))
+    # each model's FLOPs per target token, the peak, and each run's FLOP/s and MFU from them
+    per_token = {m[1]: float(m[2]) * 1e9 for m in re.finditer(
+        r"\n(annotated_transformer|transformer): ([\d.e-]+) GFLOP per target token = 6 x \(",
+        out)}
+    assert sorted(per_token) == ["annotated_transformer", "transformer"], out[:3000]
+    peak = float(re.search(r"\npeak: ([\d.]+) TFLOP/s, the CPU's measured fp32 matrix-product "
+                           r"rate, \d+ threads\n", out)[1]) * 1e12
+    runs = re.findall(r"\n  round 1 (annotated_transformer|transformer) +train +(\d+) wps.*\n"
+                      r"          training ([\d.e-]+) TFLOP/s, ([\d.]+)% MFU\n", out)
+    assert len(runs) == 2, out[-3000:]
+    for name, wps, tflops, share in runs:  # printed to 4 significant digits, wps to units
+        achieved = per_token[name] * float(wps)
+        assert float(tflops) * 1e12 == pytest.approx(achieved, rel=0.002)
+        assert float(share) == pytest.approx(100 * float(tflops) * 1e12 / peak, rel=0.01)
+    assert re.search(r"\nmodel FLOPs utilisation in training, medians of the rounds: "
+                     r"annotated_transformer [\d.]+% \([\d.]+% after the first epoch\); "
+                     r"transformer [\d.]+% \([\d.]+% after the first epoch\)\n", out), out[-1000:]
 
 
 def commands_naming(text):
@@ -720,7 +731,7 @@ def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_o
 
     data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 50, "--test", 16)
     proc = subprocess.Popen(
-        [sys.executable, BENCHMARK, *TINY, "--data-bin", str(data_bin), "--rounds", "2",
+        [*BENCHMARK, *TINY, "--data-bin", str(data_bin), "--rounds", "2",
          "--train-updates", "10", "--gen-length", "8", "--skip-ctranslate2", "--skip-cache",
          "--also-torch-choice", "--also-without-packing", "--work-dir", str(tmp_path / "work")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -761,33 +772,31 @@ def test_training_speed_after_the_first_epoch_leaves_out_the_first_epoch_and_its
     """fairseq-train's json intervals: the whole run's median skips the first interval; the
     later median takes only epochs after the first, without the interval that crosses into
     them; None when the run logged nothing after its first epoch; too few intervals: one line."""
-    bench = load_benchmark()
 
     def log(*intervals):  # (epoch, wps) each, as fairseq-train's train_inner lines
         return "\n".join(f'2026-11-27 | INFO | train_inner | {{"epoch": {e}, "update": 1.5, '
                          f'"wps": "{w}", "ups": "1.0"}}' for e, w in intervals) + "\nother line"
 
-    assert bench.training_speeds(log((1, 5), (1, 10), (1, 20), (2, 30), (2, 100), (3, 200),
+    assert runs.training_speeds(log((1, 5), (1, 10), (1, 20), (2, 30), (2, 100), (3, 200),
                                      (3, 300))) == (65, 200)
-    assert bench.training_speeds(log((1, 5), (1, 10), (1, 20), (2, 30))) == (20, None)
+    assert runs.training_speeds(log((1, 5), (1, 10), (1, 20), (2, 30))) == (20, None)
     with pytest.raises(SystemExit, match="too few logged intervals; raise --train-updates"):
-        bench.training_speeds(log((1, 5)))
+        runs.training_speeds(log((1, 5)))
 
 
 def test_a_gpu_profile_also_lists_the_operators_by_host_time(capsys):
     """On a GPU the profile's operators come by GPU time, then by the CPU's time with what each
     calls (small decoding steps wait on the host); on the CPU once."""
-    bench = load_benchmark()
     # operator: [own GPU s, calls, FLOPs, own CPU s, CPU s with what it calls]
     ops = {"aten::addmm": [0.5, 10, 0, 0.01, 0.02], "aten::sdpa": [0.1, 4, 0, 0.01, 0.3],
            "aten::copy_": [0.2, 7, 0, 0.05, 0.05]}
-    bench.print_profile("t", ops, bench.Device("cuda", "fp16"), rows=2)
+    profiling.print_profile("t", ops, common.Device("cuda", "fp16"), rows=2)
     lines = capsys.readouterr().out.splitlines()
     start = lines.index("  by the CPU's time, with what each calls:")
     assert [line.split()[-1] for line in lines[start - 2:start]] == ["aten::addmm", "aten::copy_"]
     assert lines[start + 1:] == ["     0.300 s       4 calls  aten::sdpa",
                                  "     0.050 s       7 calls  aten::copy_"]
-    bench.print_profile("t", ops, bench.CPU, rows=2)
+    profiling.print_profile("t", ops, common.CPU, rows=2)
     assert "by the CPU's time" not in capsys.readouterr().out
 
 
@@ -850,3 +859,64 @@ def test_bad_attention_new_shapes_options_are_one_error_line(args, message, monk
         load_script("attention_new_shapes").main(args)
     assert stop.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"attention_new_shapes.py: error: {message}"
+
+
+def test_model_flops_count_each_stacks_layers_the_output_projection_and_the_length_ratio(
+        tmp_path):
+    """mfu.py: 6 x (N_enc x S/T + N_dec + d_model x V), N counted from each model's own layers
+    (here against a count by hand for the tiny preset), S/T from the data's real lengths (here
+    sources three times as long as targets)."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for split in ("train", "valid", "test"):
+        (raw / f"{split}.src").write_text("a b c d e f\n" * 20)  # 6 tokens + EOS
+        (raw / f"{split}.tgt").write_text("a b\n" * 20)  # 2 tokens + EOS
+    data_bin = preprocess_reverse(raw, tmp_path / "bin")
+    ratio = mfu.source_per_target(str(data_bin))
+    assert ratio == pytest.approx(7 / 3)
+    layers, d, ff, _ = common.PRESETS["tiny"]
+    attention, feed_forward, norm = 4 * (d * d + d), d * ff + ff + ff * d + d, 2 * d
+    encoder_layer = attention + feed_forward + 2 * norm
+    decoder_layer = 2 * attention + feed_forward + 3 * norm
+    for arch in (common.OURS, common.THEIRS):
+        model = mfu.built_model(common.training_flags(str(data_bin), arch, "tiny", 1024,
+                                                      os.path.join(REPO, "fairseq_plugin")))
+        vocabulary = len(model.decoder.dictionary)
+        assert mfu.layer_parameters(model) == (layers * encoder_layer, layers * decoder_layer,
+                                               d * vocabulary), arch
+        assert mfu.flops_per_target_token(model, ratio) == pytest.approx(
+            6 * (layers * encoder_layer * 7 / 3 + layers * decoder_layer + d * vocabulary))
+
+
+def test_the_device_peak_comes_from_the_table_by_name_the_flag_or_the_cpus_measured_rate():
+    assert mfu.gpu_peak("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.4e12)
+    assert mfu.gpu_peak("NVIDIA H100 PCIe", "fp16") == pytest.approx(756e12)
+    assert mfu.gpu_peak("NVIDIA H200", "fp32") == pytest.approx(66.9e12)
+    assert mfu.gpu_peak("NVIDIA GeForce RTX 4090", "bf16") is None
+    assert mfu.device_peak(common.CPU, 2.5) == (2.5e12, "given by --peak-tflops")
+    peak, source = mfu.device_peak(common.CPU)
+    assert 1e8 < peak < 1e14 and source.startswith("the CPU's measured fp32 matrix-product rate")
+    assert mfu.utilisation(1e9, 2000, 4e12) == "2 TFLOP/s, 50.00% MFU"
+    assert mfu.utilisation(1.23456e9, 2000, None) == "2.469 TFLOP/s"
+
+
+def test_the_fair_baseline_is_fairseqs_better_run_in_each_round(capsys):
+    """--also-transformer-without-cudnn: fairseq's transformer also runs in processes with
+    cuDNN attention off, and the ratios are taken against the better of its two runs in each
+    round (the faster, the smaller peak)."""
+    assert "enable_cudnn_sdp(False)" in setup_code(
+        common.without_cudnn(common.Device("cuda", "bf16")).command(["fairseq-train"]))
+    assert common.arch_of(common.THEIRS_NO_CUDNN) == common.THEIRS
+    figures = lambda wps, mb: {"train_wps": wps, "later_wps": wps, "train_mb": mb,  # noqa: E731
+                               "gen_tps": [], "gen_mb": []}
+    results = {common.OURS: figures([120, 120], [90, 90]),
+               common.THEIRS: figures([100, 60], [80, 100]),
+               common.THEIRS_NO_CUDNN: figures([80, 100], [100, 95])}
+    report.print_ratio_table(results, {"gen_tps": [], "gen_mb": []}, 2, {"peak": None})
+    out = capsys.readouterr().out
+    assert "the better of transformer's two runs, with and without cuDNN attention" in out
+    # against 100 and 100 words/s, 80 and 95 MB
+    assert "| training, target words/s | annotated_transformer | 120 | 100 | 1.20x | 1.20 1.20 |" \
+        in out
+    assert "| training peak memory, MB | annotated_transformer | 90 | 88 | 1.04x | 1.12 0.95 |" \
+        in out

@@ -17,12 +17,12 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import (REPO, REVERSE_SEED, BackgroundCli, build_tiny_model, cli, make_dictionary,
                       random_tokens, reverse_data_bin, sharpen)
+from fairseq_plugin.benchmark import cuda_peak, storage_peak
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.modules import dropout
 from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, NO_CUDNN, TORCH_CHOICE,
                                               MultiHeadedAttention)
 from fairseq_plugin.testing.recomputing import without_cache
-from test_benchmark import load_script
 from test_distributed import check_two_ranks_equal_one_rank_with_update_freq_2, ddp_data_bin
 
 # ANNOTATED_TEST_DEVICE=cpu runs the same tests on the CPU (to check the tests themselves)
@@ -207,7 +207,6 @@ def test_training_on_cuda_uses_torch_dropout_and_the_fused_kernel(monkeypatch):
 def test_memory_history_names_the_lines_live_at_the_peak_on_cuda(monkeypatch):
     """The benchmark's profile step (cuda_peak.PeakCounter.live_at_peak_of) on torch.cuda's own
     memory history: the peak beyond what was allocated before, by the line that allocated."""
-    cuda_peak = load_script("cuda_peak")
     # PeakCounter wraps torch.cuda.reset_peak_memory_stats; monkeypatch puts it back afterwards
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", torch.cuda.reset_peak_memory_stats)
     counter = cuda_peak.PeakCounter()
@@ -232,7 +231,6 @@ def test_the_cpus_storage_count_of_a_training_step_agrees_with_torch_cudas_alloc
     """storage_peak counts a training step's peak on the CPU (benchmark --steps-in-process) by
     tensor storage; on a GPU its count of a step agrees with torch.cuda's allocator's, within
     what the allocator adds (rounding to 512-byte blocks, kernels' scratch memory)."""
-    cuda_peak, storage_peak = load_script("cuda_peak"), load_script("storage_peak")
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", torch.cuda.reset_peak_memory_stats)
     d = make_dictionary()
     model = build_tiny_model(d, dropout=0.1).to(DEVICE).train()

@@ -12,8 +12,9 @@ from conftest import (CPU_AUTOCAST_DTYPES, PLUGIN_DIR, build_tiny_model, make_di
                       random_tokens, reverse_data_bin, sharpen)
 from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, MultiHeadedAttention,
                                               explicit_attention)
-from fairseq_plugin.modules.cache import (Ancestry, BeamReorder, SelfAttentionCache,
-                                          SourceAttentionCache, plan_reorder, repeats_rows)
+from fairseq_plugin.modules.cache import (Ancestry, BeamReorder, ReorderPlans,
+                                          SelfAttentionCache, SourceAttentionCache, plan_reorder,
+                                          repeats_rows)
 from fairseq_plugin.models.annotated_transformer import source_mask
 from fairseq_plugin.modules import attention as attention_module
 from fairseq_plugin.reference import greedy_decode, src_mask_of
@@ -502,12 +503,21 @@ def test_masks_handed_to_attention_in_beam_search_have_aligned_rows(monkeypatch)
 
 
 def test_reorders_share_plans_only_for_the_same_unchanged_tensor():
+    plans = ReorderPlans()
     order = torch.tensor([1, 0, 2, 3])
-    first = BeamReorder(order).plan(2, 2)
-    assert BeamReorder(order).plan(2, 2) is first  # the encoder after the decoder
+    first = plans.reorder(order).plan(2, 2)
+    assert plans.reorder(order).plan(2, 2) is first  # the encoder after the decoder
+    assert ReorderPlans().reorder(order).plan(2, 2) is not first  # another model's: its own
     order.view(2, 2).add_(torch.tensor([[0, 2], [0, 0]]))  # changed in place: [1, 2, 2, 3]
-    kept, moves = BeamReorder(order).plan(2, 2)
+    kept, moves = plans.reorder(order).plan(2, 2)
     assert kept is None and moves  # a row of the first sentence now continues the second's
+    assert plans.reorder(torch.tensor([1, 0, 2, 3])).plan(2, 2) is not first  # another tensor
+
+
+def test_a_models_encoder_and_decoder_share_one_reorder_plans():
+    model = build_tiny_model()
+    assert model.encoder.reorder_plans is model.decoder.reorder_plans
+    assert build_tiny_model().encoder.reorder_plans is not model.encoder.reorder_plans
 
 
 def test_beam_search_under_inference_mode_equals_no_grad():

@@ -800,3 +800,29 @@ def test_a_checkpoint_from_before_the_redesign_translates_identically():
     for got, tokens, scores in zip(hyps, expected["hypotheses"], expected["scores"]):
         assert [h["tokens"].tolist() for h in got] == [t.tolist() for t in tokens]
         assert all(abs(float(h["score"]) - s) <= 1e-4 for h, s in zip(got, scores))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_token_embeddings_start_at_the_positional_encodings_size_unless_glorot_is_asked_for(
+        shared):
+    """--embedding-init normal (the default): token embeddings and an output projection of their
+    own from N(0, d_model^-0.5), as fairseq's transformer, so that scaled by sqrt(d_model) they
+    start with a standard deviation of 1, the positional encodings' size; glorot: the notebook's
+    make_model, Glorot uniform like every other matrix. Padding rows start at zero either way."""
+    sharing = {"share_all_embeddings": shared}
+    d_model, padding = 64, make_dictionary().pad()
+    normal = build_tiny_model(**sharing)
+    glorot = build_tiny_model(embedding_init="glorot", **sharing)
+    for model, expected_std in ((normal, d_model ** -0.5), (glorot, None)):
+        weights = [model.encoder.embed.embeddings.lut.weight,
+                   model.decoder.embed.embeddings.lut.weight, model.decoder.generator.proj.weight]
+        assert (weights[0] is weights[2]) == shared
+        for weight in weights:
+            rows, cols = weight.shape
+            if expected_std is None:  # Glorot uniform's bound for a rows x cols matrix
+                assert weight.abs().max() <= math.sqrt(6.0 / (rows + cols))
+            else:
+                real = torch.cat([weight[:padding], weight[padding + 1:]])
+                assert abs(real.std().item() - expected_std) < 0.15 * expected_std
+        for lut in weights[:2]:
+            assert not lut[padding].any()

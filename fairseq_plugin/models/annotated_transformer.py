@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..errors import PluginError
 from ..modules.attention import IncrementalState, MultiHeadedAttention
-from ..modules.cache import Ancestry, BeamReorder, beam_group, reorder_encoder_rows
+from ..modules.cache import Ancestry, ReorderPlans, beam_group, reorder_encoder_rows
 from ..modules.embeddings import (
     EmbeddingLayer,
     Embeddings,
@@ -57,6 +57,8 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         # in training, position-wise work on real tokens only (packing.py; off: --no-packing)
         self.skip_padding = skip_padding
         self.beam_size = 1  # set by fairseq's SequenceGenerator, through the model
+        # beam search's reorder plans, shared with the decoder (make_model; modules/cache.py)
+        self.reorder_plans = ReorderPlans()
 
     def forward(self, src_tokens: Tensor, src_lengths: Optional[Tensor] = None,
                 return_all_hiddens: bool = False, **unused):
@@ -90,7 +92,8 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
     def reorder_encoder_out(self, encoder_out: Dict[str, List[Tensor]], new_order: Tensor):
         """Row i of the result is row new_order[i] of encoder_out; beam search's beam_size copies
         of a sentence are not copied again at every step (modules/cache.py)."""
-        return reorder_encoder_rows(encoder_out, new_order, self.beam_size)
+        return reorder_encoder_rows(encoder_out, self.reorder_plans.reorder(new_order),
+                                    self.beam_size)
 
     def max_positions(self) -> int:
         return self.embed.max_positions
@@ -133,6 +136,8 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         # transformer always does (the hub's hypotheses, --print-alignment); False: the fused
         # kernel in every attention (tests, the cache benchmark's baseline)
         self.need_attn = True
+        # beam search's reorder plans: the encoder's own once make_model joins them
+        self.reorder_plans = ReorderPlans()
 
     def forward(
         self,
@@ -239,7 +244,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         """Beam search's reorder, once per step: worked out once (BeamReorder), then followed by
         every cache and by the beam's ancestry while a cache reads it. (Replaces fairseq's walk
         over every submodule.)"""
-        reorder = BeamReorder(new_order)
+        reorder = self.reorder_plans.reorder(new_order)
         for attention in self.attentions():
             attention.reorder_cache(incremental_state, reorder)
         ancestry = self.get_incremental_state(incremental_state, "ancestry")
@@ -324,8 +329,10 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
             norm=nn.LayerNorm(d) if pre_ln else None,
             generator=Generator(d, len(tgt_dict), tgt_tokens.lut.weight if share_output else None),
             skip_padding=not args.no_packing)
+        # the decoder's reorder plans, which beam search's step then hands the encoder
+        decoder.reorder_plans = encoder.reorder_plans
         model = cls(encoder, decoder)
-        model.init_parameters_()
+        model.init_parameters_(args.embedding_init)
         return model
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
@@ -339,16 +346,24 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         decoder's caches keep each sentence's keys and values once (modules/cache.py)."""
         self.encoder.beam_size = beam_size
 
-    def init_parameters_(self):
+    def init_parameters_(self, embedding_init: str = "normal"):
         """make_model's last step, as the notebook's: Glorot / fan_avg uniform for every matrix.
         Attention modules initialise their own W^Q, W^K, W^V, W^O (each matrix on its own, also
-        where they are stored side by side). Padding embeddings start at zero (and stay so unless
-        tied to the generator: its log-softmax over every type gives the padding row a gradient)."""
+        where they are stored side by side). ``embedding_init`` "normal" (--embedding-init):
+        token embeddings, and an output projection of its own, from N(0, d_model^-0.5) instead,
+        as fairseq's transformer. Padding embeddings start at zero (and stay so unless tied to
+        the generator: its log-softmax over every type gives the padding row a gradient)."""
         attention = {id(p) for m in self.modules() if isinstance(m, MultiHeadedAttention)
                      for p in m.parameters()}
         for p in self.parameters():
             if p.dim() > 1 and id(p) not in attention:
                 nn.init.xavier_uniform_(p)
+        if embedding_init == "normal":
+            for module in self.modules():
+                if isinstance(module, (nn.Embedding, Generator)):  # (V, d_model) each
+                    weight = getattr(module, "weight", None)
+                    weight = module.proj.weight if weight is None else weight
+                    nn.init.normal_(weight, mean=0.0, std=weight.size(1) ** -0.5)
         for module in self.modules():
             if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                 with torch.no_grad():

@@ -23,6 +23,10 @@ def _option(default, help):
     return field(default=default, metadata={"help": help})
 
 
+# --embedding-init: fairseq's transformer's N(0, d_model^-0.5), or the notebook's Glorot uniform
+EMBEDDING_INITS = ["normal", "glorot"]
+
+
 @dataclass
 class AnnotatedTransformerConfig(FairseqDataclass):
     """The model's options (``model.*`` in a fairseq-hydra-train YAML, ``--*`` on the command
@@ -67,6 +71,13 @@ class AnnotatedTransformerConfig(FairseqDataclass):
                "fairseq-preprocess --joined-dictionary)")
     no_token_positional_embeddings: bool = _option(False, "add no positional encodings")
     no_scale_embedding: bool = _option(False, "do not multiply embeddings by sqrt(d_model)")
+    embedding_init: ChoiceEnum(EMBEDDING_INITS) = _option(
+        "normal", "token embeddings (and an output projection of their own) drawn from "
+                  "N(0, d_model^-0.5), as fairseq's transformer and tensor2tensor draw them, so "
+                  "that scaled by sqrt(d_model) they start at the positional encodings' size "
+                  "(normal, the default); or Glorot uniform as every other matrix, the notebook's "
+                  "make_model (glorot: about 5x smaller at a 6k vocabulary, which learns slower: "
+                  "docs/code-map.md)")
     max_source_positions: int = _option(DEFAULT_MAX_POSITIONS, "longest source, in tokens")
     max_target_positions: int = _option(DEFAULT_MAX_POSITIONS, "longest target, in tokens")
     fused_attention_backends: ChoiceEnum([NO_CUDNN, TORCH_CHOICE]) = _option(

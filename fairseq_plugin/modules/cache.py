@@ -35,9 +35,9 @@ The g queries of a group then attend together, as one (g, S) block. A row's ance
 every layer: the decoder keeps one (``Ancestry``), adds each step to it and reorders it, and its
 self-attention caches share it. Whether a reorder keeps every row in its sentence's group is
 decided once per reorder tensor (``BeamReorder``), for every cache and for the encoder output,
-which beam search reorders with the same tensor; when it does not (a hypothesis continues another
-sentence's row, a batch that was never grouped), the caches fall back to one row per hypothesis
-(g = 1) and gather rows.
+which beam search reorders with the same tensor (``ReorderPlans``, one per model); when it does not
+(a hypothesis continues another sentence's row, a batch that was never grouped), the caches fall
+back to one row per hypothesis (g = 1) and gather rows.
 
 Shapes: B rows (hypotheses), g rows per group, h heads, d_k head size, S source length,
 t steps cached, C capacity in steps.
@@ -99,13 +99,12 @@ class BeamReorder:
     """One reorder of beam search, shared by every cache of a step: row i of the new order
     continues the hypothesis of old row ``new_order[i]`` (rows may be dropped as sentences finish).
     ``plan_reorder`` is worked out once per step (per group size and row count), not once per
-    cache: each answer reads a tensor back from the device (on a GPU, a synchronisation). Beam
-    search hands the decoder and then the encoder the same tensor: their reorders share the
-    answers too (``_shared_plans``)."""
+    cache: each answer reads a tensor back from the device (on a GPU, a synchronisation).
+    ``plans``: answers already worked out for this tensor (``ReorderPlans``)."""
 
-    def __init__(self, new_order: Tensor):
+    def __init__(self, new_order: Tensor, plans: Optional[dict] = None):
         self.new_order = new_order
-        self._plans = _shared_plans(new_order)
+        self._plans = {} if plans is None else plans
 
     def plan(self, group: int, rows: int) -> Tuple[Optional[Tensor], bool]:
         """``plan_reorder(new_order, group, rows)``, computed once."""
@@ -114,22 +113,26 @@ class BeamReorder:
         return self._plans[group, rows]
 
 
-_latest_plans: Tuple[Optional[Tensor], int, dict] = (None, 0, {})  # new_order, version, plans
+class ReorderPlans:
+    """The answers of beam search's latest reorder, held by one model and shared by its decoder
+    and its encoder: fairseq's SequenceGenerator hands the decoder's caches and then the encoder
+    output the same tensor at each step, so the encoder's reorder reads nothing more from the
+    device. ``reorder(new_order)`` gives the step's BeamReorder, with the answers already worked
+    out for this very tensor, unchanged since ("unchanged" is what its version counter sees:
+    in-place operations on it or on its views, as fairseq's ``add_``, not writes through
+    ``.data``). Tensors made under torch.inference_mode count no versions: not shared."""
 
+    def __init__(self):
+        self._latest: Tuple[Optional[Tensor], int, dict] = (None, 0, {})  # tensor, version, plans
 
-def _shared_plans(new_order: Tensor) -> dict:
-    """The plans already worked out for this very tensor, unchanged since, else a new record.
-    "Unchanged" is what its version counter sees: in-place operations on it or on its views (as
-    fairseq's ``add_``), not writes through ``.data`` or ``.numpy()``. Tensors made under
-    torch.inference_mode count no versions: not shared."""
-    global _latest_plans
-    tensor, version, plans = _latest_plans
-    if new_order.is_inference():
-        return {}
-    if tensor is not new_order or version != new_order._version:
-        plans = {}
-        _latest_plans = (new_order, new_order._version, plans)
-    return plans
+    def reorder(self, new_order: Tensor) -> BeamReorder:
+        if new_order.is_inference():
+            return BeamReorder(new_order)
+        tensor, version, plans = self._latest
+        if tensor is not new_order or version != new_order._version:
+            plans = {}
+            self._latest = (new_order, new_order._version, plans)
+        return BeamReorder(new_order, plans)
 
 
 def beam_group(encoder_out: Dict[str, List[Tensor]]) -> int:
@@ -139,7 +142,7 @@ def beam_group(encoder_out: Dict[str, List[Tensor]]) -> int:
     return int(group[0]) if group else 1
 
 
-def reorder_encoder_rows(encoder_out: Dict[str, List[Tensor]], new_order: Tensor,
+def reorder_encoder_rows(encoder_out: Dict[str, List[Tensor]], reorder: BeamReorder,
                          beam_size: int) -> Dict[str, List[Tensor]]:
     """The encoder output with row i taken from row new_order[i] (the encoder's
     ``reorder_encoder_out``).
@@ -151,7 +154,8 @@ def reorder_encoder_rows(encoder_out: Dict[str, List[Tensor]], new_order: Tensor
     """
     group = beam_group(encoder_out)
     rows = encoder_out["encoder_out"][0].size(0) // group
-    kept, moves = BeamReorder(new_order).plan(group, rows)  # (shared with the decoder's)
+    new_order = reorder.new_order
+    kept, moves = reorder.plan(group, rows)  # (shared with the decoder's: ReorderPlans)
     if not moves:
         return encoder_out
     reordered = {key: [t.index_select(0, new_order) for t in value]

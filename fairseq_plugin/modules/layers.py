@@ -32,9 +32,26 @@ class SublayerConnection(nn.Module):
         self.normalize_before = normalize_before
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        return self.output(x, sublayer(self.input(x)))
+
+    def attention(self, x: Tensor, attention: MultiHeadedAttention, *args, **kwargs
+                  ) -> Tuple[Tensor, Optional[Tensor]]:
+        """The same around an attention sub-layer, ``attention(input(x), *args, **kwargs)``,
+        returning its weights too (None unless asked for): the notebook's
+        ``sublayer(x, lambda x: self_attn(x, x, x, mask))``, written without a closure."""
+        out, weights = attention(self.input(x), *args, **kwargs)
+        return self.output(x, out), weights
+
+    def input(self, x: Tensor) -> Tensor:
+        """What the sub-layer is given: LayerNorm(x) (pre-LN), or x (post-LN)."""
+        return self.norm(x) if self.normalize_before else x
+
+    def output(self, x: Tensor, y: Tensor) -> Tensor:
+        """The residual connection around the sub-layer's output y: x + Dropout(y) (pre-LN), or
+        LayerNorm(x + Dropout(y)) (post-LN)."""
         if self.normalize_before:
-            return x + self.dropout(sublayer(self.norm(x)))
-        return self.norm(x + self.dropout(sublayer(x)))
+            return x + self.dropout(y)
+        return self.norm(x + self.dropout(y))
 
 
 class PositionwiseFeedForward(nn.Module):
@@ -68,7 +85,7 @@ class EncoderLayer(nn.Module):
     def forward(self, x: Tensor, mask: Optional[Tensor], packing: Packing = NO_PACKING) -> Tensor:
         """x (B, S, d_model), or its real rows under ``packing``; mask (B, 1, 1, S), True at real
         tokens, or None."""
-        x = self.sublayer[0](x, lambda y: self.self_attn(y, mask=mask, packing=packing)[0])
+        x, _ = self.sublayer[0].attention(x, self.self_attn, mask=mask, packing=packing)
         return self.sublayer[1](x, self.feed_forward)
 
 
@@ -96,16 +113,11 @@ class DecoderLayer(nn.Module):
         (B, 1, 1, T), True at real tokens, or None. Self-attention is also causal
         (``subsequent_mask``: see attend).
         Returns x and, if need_attn, the source attention (B, h, T, S)."""
-        x = self.sublayer[0](x, lambda y: self.self_attn(
-            y, mask=tgt_mask, causal=True, incremental_state=incremental_state,
-            packing=packing)[0])
-        weights = None  # the source attention's, kept by the sub-layer below
-
-        def source_attention(y: Tensor) -> Tensor:  # the notebook's src_attn(x, m, m, src_mask)
-            nonlocal weights
-            out, weights = self.src_attn(y, memory, mask=src_mask, need_weights=need_attn,
-                                         incremental_state=incremental_state, packing=packing)
-            return out
-
-        x = self.sublayer[1](x, source_attention)
+        x, _ = self.sublayer[0].attention(x, self.self_attn, mask=tgt_mask, causal=True,
+                                          incremental_state=incremental_state, packing=packing)
+        # the notebook's sublayer[1](x, lambda x: self.src_attn(x, m, m, src_mask))
+        x, weights = self.sublayer[1].attention(x, self.src_attn, memory, mask=src_mask,
+                                                need_weights=need_attn,
+                                                incremental_state=incremental_state,
+                                                packing=packing)
         return self.sublayer[2](x, self.feed_forward), weights

@@ -1,4 +1,4 @@
-"""The most GPU memory allocated at once, for scripts/benchmark.py, also where fairseq's trainer
+"""The most GPU memory allocated at once, for the benchmark, also where fairseq's trainer
 runs: ``switch_on()`` in a process before fairseq's CLI runs prints the peak of the whole command
 at exit; ``PeakCounter`` reads it around any stretch of work (a training step), and says what
 was live at the peak of one (``live_at_peak_of``).

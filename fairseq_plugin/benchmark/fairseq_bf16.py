@@ -1,4 +1,4 @@
-"""fairseq 0.12's fairseq-train and fairseq-generate in bf16, for scripts/benchmark.py: call
+"""fairseq 0.12's fairseq-train and fairseq-generate in bf16, for the benchmark: call
 ``switch_on()`` in the process before fairseq's CLI parses its flags.
 
 fairseq 0.12's --bf16 also switches on --tpu (fairseq then looks for a TPU). Switched back off,

@@ -1,4 +1,4 @@
-"""The most tensor memory held at once on the CPU, for scripts/benchmark.py: what
+"""The most tensor memory held at once on the CPU, for the benchmark: what
 cuda_peak.PeakCounter reads from torch.cuda's allocator on a GPU, counted here by watching
 tensors' storages. The process's resident memory cannot say what one training step holds: the
 C library keeps freed memory, and the set-up's peak hides the step's.
@@ -17,7 +17,6 @@ inside counts negative, as on a GPU. Imports torch (and cuda_peak).
 """
 
 import gc
-import os
 import sys
 import weakref
 
@@ -25,8 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cuda_peak, also when loaded
-import cuda_peak  # noqa: E402                                      by its path
+from . import cuda_peak
 
 
 UNSUPPORTED = ("storage_peak: this torch's storages do not keep their Python object (torch 2.13's "

@@ -1,4 +1,4 @@
-"""One of fairseq's CLI scripts run in a child process of scripts/benchmark.py, which says when the
+"""One of fairseq's CLI scripts run in a child process of the benchmark, which says when the
 script itself has finished: ``run(path)`` prints FINISHED once the script's main ends with exit
 status 0, before Python's shutdown, and the Python threads still alive then (where each is).
 Imports nothing else.
@@ -13,7 +13,7 @@ that way (a thread doing matrix products: 6 aborts in 6 runs on the CPU). On an 
 and faulthandler (on in the benchmark's children) showed only the main thread, with no Python
 frame: the cause lies in native code at shutdown, not known yet. The benchmark keeps the figures
 of a command that finished before such an abort, and says so, with the threads alive when the
-script had finished (benchmark.py: run_measured).
+script had finished (runs.py: run_measured).
 """
 
 import os

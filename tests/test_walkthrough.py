@@ -1,0 +1,56 @@
+"""examples/walkthrough cannot rot: it runs top to bottom (its checks are asserts), draws its
+figures, and its .ipynb is its .py (jupytext's pairing), without outputs."""
+
+import os
+import re
+
+import pytest
+
+jupytext = pytest.importorskip("jupytext", reason="the test extra's jupytext")
+nbclient = pytest.importorskip("nbclient", reason="the test extra's nbclient")
+
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                    "walkthrough")
+FIGURES = ["masks.png", "positional_encoding.png", "label_smoothing.png",
+           "label_smoothing_loss.png", "noam.png", "encoder_self_layer2_head0.png",
+           "decoder_self_layer2_head0.png", "decoder_source_layer2_head0.png"]
+
+
+def cells(path):
+    return [(c.cell_type, c.source.strip()) for c in jupytext.read(path).cells]
+
+
+def test_the_notebook_file_is_the_reviewed_py_file_without_outputs():
+    ipynb = os.path.join(HERE, "walkthrough.ipynb")
+    assert cells(ipynb) == cells(os.path.join(HERE, "walkthrough.py")), (
+        "walkthrough.ipynb differs from walkthrough.py: run "
+        "`jupytext --to ipynb examples/walkthrough/walkthrough.py`")
+    notebook = jupytext.read(ipynb)
+    assert all(not c.get("outputs") for c in notebook.cells if c.cell_type == "code")
+
+
+def test_the_readme_shows_a_figure_and_the_docs_link_the_rest():
+    root = os.path.dirname(os.path.dirname(HERE))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        assert "](examples/walkthrough/figures/" in f.read()
+    with open(os.path.join(root, "docs", "walkthrough.md"), encoding="utf-8") as f:
+        page = f.read()
+    assert [name for name in FIGURES if f"figures/{name})" not in page] == []
+    assert [name for name in FIGURES if not os.path.exists(os.path.join(HERE, "figures", name))] \
+        == []
+
+
+def test_the_walkthrough_runs_top_to_bottom(tmp_path, monkeypatch):
+    """Every cell runs without an error in a fresh kernel (its comparisons of plain and plugin
+    classes are asserts), it writes every figure, and the copy task copies."""
+    monkeypatch.setenv("WALKTHROUGH_DIR", str(tmp_path))
+    notebook = jupytext.read(os.path.join(HERE, "walkthrough.py"))
+    nbclient.NotebookClient(notebook, timeout=1800, kernel_name="python3",
+                            resources={"metadata": {"path": HERE}}).execute()
+    printed = "\n".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code"
+                        for o in c.outputs)
+    assert [name for name in FIGURES if not (tmp_path / "figures" / name).exists()] == []
+    assert len(re.findall(r"max \|difference\| = ", printed)) == 7, printed
+    copied = [float(x) for x in re.findall(r"beam \d: ([\d.]+)% of 500", printed)]
+    assert len(copied) == 2 and min(copied) >= 99.0, printed
+    assert re.search(r"BLEU = \d+\.\d+", printed), printed
