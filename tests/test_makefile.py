@@ -8,9 +8,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def lane_without_python310(**env):
+    """make's lane as a user's shell runs it: not as a sub-make of `make test` (whose MAKELEVEL
+    would make its error line `make[1]: ***`)."""
+    outer = {key: value for key, value in os.environ.items()
+             if key not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     return subprocess.run(["make", "--no-print-directory", "-s", "test-fairseq-0.12.2",
                            "PYTHON310="], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "CI": "", **env})
+                          env={**outer, "CI": "", **env})
 
 
 def test_under_ci_a_missing_python310_fails_the_lane_with_one_line():

@@ -709,7 +709,7 @@ def test_a_second_run_of_the_demos_trains_afresh_instead_of_resuming(tmp_path, m
                 raise StopAtTraining
         monkeypatch.setitem(main.__globals__, "run", run)
         monkeypatch.setattr(prepare_translation, "prepare", lambda *args, **kwargs: None)
-        monkeypatch.setattr(reverse_task, "main", lambda argv: None)
+        monkeypatch.setattr(reverse_task, "main", lambda argv, task="reverse": None)
         with pytest.raises(StopAtTraining):
             main(["--work-dir", str(work)])
         assert seen == [[]], script

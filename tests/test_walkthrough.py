@@ -24,7 +24,7 @@ def test_the_notebook_file_is_the_reviewed_py_file_without_outputs():
     ipynb = os.path.join(HERE, "walkthrough.ipynb")
     assert cells(ipynb) == cells(os.path.join(HERE, "walkthrough.py")), (
         "walkthrough.ipynb differs from walkthrough.py: run "
-        "`jupytext --to ipynb examples/walkthrough/walkthrough.py`")
+        "`jupytext --update --to ipynb examples/walkthrough/walkthrough.py`")
     notebook = jupytext.read(ipynb)
     assert all(not c.get("outputs") for c in notebook.cells if c.cell_type == "code")
 

@@ -216,7 +216,11 @@ save(fig, "positional_encoding.png")
 # ## The full model
 #
 # `make_model` builds the whole model from its hyper-parameters and initialises every matrix
-# with Glorot / fan_avg. The notebook's small example: 2 layers, vocabularies of 11.
+# with Glorot / fan_avg. The notebook's small example: 2 layers, vocabularies of 11. (The
+# plugin draws its token embeddings from N(0, d_model^-0.5) instead, as fairseq's transformer
+# does, so that scaled by sqrt(d_model) they start at the positional encodings' size; with the
+# notebook's Glorot, `--embedding-init glorot`, the Tatoeba model below learns markedly slower:
+# docs/code-map.md.)
 
 # %%
 small = reference.make_model(11, 11, N=2)
@@ -290,9 +294,32 @@ save(fig, "label_smoothing_loss.png")
 # optimizer's rate to the same formula after every update.
 
 # %%
+from fairseq.optim import FairseqOptimizer  # noqa: E402
+
 from fairseq_plugin.lr_scheduler.noam import NoamSchedule  # noqa: E402
 
 show_source(reference.rate, NoamSchedule.rate)
+
+
+class OneParameter(FairseqOptimizer):
+    """A stand-in for fairseq's optimizer: the schedule sets its learning rate."""
+
+    def __init__(self):
+        super().__init__(cfg=None)
+        self._optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+
+
+optimizer = OneParameter()
+schedule = NoamSchedule(Namespace(warmup_updates=4000, noam_factor=1.0, noam_model_dim=None,
+                                  encoder_embed_dim=512), optimizer)
+steps = range(1, 20000, 50)
+set_rates = []
+for s in steps:
+    schedule.step_update(s)
+    set_rates.append(optimizer.get_lr())
+agree("Noam, plain rate vs the plugin's learning rates",
+      torch.tensor([reference.rate(s, 512, 1, 4000) for s in steps], dtype=torch.float64),
+      torch.tensor(set_rates, dtype=torch.float64))
 fig, ax = plt.subplots(figsize=(6, 3))
 for d_model, factor, warmup in ((512, 1, 4000), (512, 1, 8000), (256, 1, 4000)):
     ax.plot([reference.rate(s, d_model, factor, warmup) for s in range(1, 20000, 50)],
@@ -347,7 +374,7 @@ for beam in (1, 5):
 # The bundled Tatoeba sample (60,000 sentence pairs, CC BY 2.0): `annotated-prepare` tokenises
 # with fairseq's Moses tokenizer, learns joint BPE (subword-nmt) and binarises; fairseq-train
 # trains a small model; `annotated-evaluate-bleu` decodes the test set with beam 5 and scores
-# it with sacreBLEU. Two epochs here (about two minutes: the translations are still poor);
+# it with sacreBLEU. One epoch here (a few minutes: the translations are still poor);
 # `WALKTHROUGH_FULL=1` trains five.
 
 # %%
@@ -364,7 +391,7 @@ log = run("fairseq-train", f"{tatoeba}/bin", "--user-dir", os.path.dirname(fairs
           "--share-all-embeddings", "--criterion", "annotated_label_smoothing",
           "--label-smoothing", "0.1", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
           "--adam-eps", "1e-9", "--lr-scheduler", "noam", "--warmup-updates", 300 if FULL else 150,
-          "--max-tokens", "4096", "--max-epoch", 5 if FULL else 2, "--seed", "1",
+          "--max-tokens", "4096", "--max-epoch", 5 if FULL else 1, "--seed", "1",
           "--save-dir", f"{tatoeba}/checkpoints", "--no-epoch-checkpoints", "--cpu",
           "--log-format", "simple")
 print("\n".join(line[line.index("epoch"):] for line in log.splitlines() if "valid on" in line))
