@@ -105,6 +105,18 @@ class Device:
 CPU = Device()
 
 
+def fairseq_setup(flags):
+    """(fairseq's configuration, its task) from fairseq-train's command-line ``flags``, set up in
+    this process as fairseq-train sets them up (the --user-dir imported)."""
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [str(f) for f in flags])
+    cfg = convert_namespace_to_omegaconf(args)
+    utils.import_user_module(cfg.common)
+    return cfg, tasks.setup_task(cfg.task)
+
+
 def without_cudnn(device: Device) -> Device:
     """The same device with torch's cuDNN attention backend off in fairseq's processes."""
     return Device(device.kind, device.precision, cudnn_attention=False)

@@ -65,13 +65,10 @@ def source_per_target(data_bin: str, split: str = "train") -> float:
 def built_model(flags):
     """The model fairseq-train's ``flags`` describe, built in this process (not trained: for its
     sizes)."""
-    from fairseq import options, tasks, utils
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from .common import fairseq_setup
 
-    args = options.parse_args_and_arch(options.get_training_parser(), [str(f) for f in flags])
-    cfg = convert_namespace_to_omegaconf(args)
-    utils.import_user_module(cfg.common)
-    return tasks.setup_task(cfg.task).build_model(cfg.model)
+    cfg, task = fairseq_setup(flags)
+    return task.build_model(cfg.model)
 
 
 def gpu_peak(name: str, precision: str):

@@ -9,7 +9,7 @@ import time
 from fairseq_plugin.cli.common import plugin_dir
 
 from . import cuda_peak
-from .common import CPU, NO_PACKING, OURS, THEIRS, alternated, training_flags
+from .common import CPU, NO_PACKING, OURS, THEIRS, alternated, fairseq_setup, training_flags
 from .memory import print_live_at_peak, print_memory
 from .profiling import print_profiles
 
@@ -17,14 +17,9 @@ from .profiling import print_profiles
 def fairseq_trainer(flags):
     """fairseq's Trainer (model, criterion, optimizer) built in this process from fairseq-train's
     command-line flags, and its task."""
-    from fairseq import options, tasks, utils
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.trainer import Trainer
 
-    args = options.parse_args_and_arch(options.get_training_parser(), [str(f) for f in flags])
-    cfg = convert_namespace_to_omegaconf(args)
-    utils.import_user_module(cfg.common)
-    task = tasks.setup_task(cfg.task)
+    cfg, task = fairseq_setup(flags)
     task.load_dataset("train")
     return Trainer(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
 
