@@ -14,3 +14,14 @@ def release(version: str) -> tuple:
 
 
 TORCH_RELEASE = release(torch.__version__)
+
+
+def compiling() -> bool:
+    """Whether torch.compile is tracing the code that asks (torch.compiler.is_compiling since
+    torch 2.3, torch._dynamo.is_compiling before)."""
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    if is_compiling is None:
+        from torch import _dynamo
+
+        is_compiling = _dynamo.is_compiling
+    return is_compiling()

@@ -1,7 +1,8 @@
 """What the fused attention kernel costs at a shape it has not seen, against a shape it has.
 
 The model's attention (``fairseq_plugin.modules.attention.attend``) is called here as the model
-calls it, with each choice of ``--fused-attention-backends``, at shapes each new to the process:
+calls it, inside each choice of ``--fused-attention-backends`` (``fused_backends``, which the
+model's stacks enter around their layers), at shapes each new to the process:
 
 - a beam-search decoding step's self-attention, 8 sentences x beam 5, as cache.py hands it over:
   each sentence's 5 queries side by side, 5 keys more at every step, an additive ancestry mask;
@@ -26,13 +27,20 @@ import time
 
 import torch
 
-from fairseq_plugin.modules.attention import FUSED, NO_CUDNN, TORCH_CHOICE, attend, group_queries
+from fairseq_plugin.modules.attention import (FUSED, NO_CUDNN, TORCH_CHOICE, attend,
+                                              fused_backends, group_queries)
 from fairseq_plugin.modules.cache import MIN_CAPACITY, aligned
 from fairseq_plugin.modules.dropout import Dropout
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 HEADS, D_K, SENTENCES, BEAM = 8, 64, 8, 5
 NO_DROPOUT = Dropout(0.0, "attention_new_shapes", cpu_mask=False)
+
+
+def attend_on(backends, *args):
+    """``attend(*args)`` with the fused kernel on ``backends``, as the model's stacks run it."""
+    with fused_backends(backends):
+        return attend(*args)
 
 
 def decoding_step(steps, device, dtype):
@@ -47,7 +55,7 @@ def decoding_step(steps, device, dtype):
             [:, :, :steps * BEAM] for _ in "kv")
     mask = torch.zeros(SENTENCES * BEAM, aligned(capacity), device=device, dtype=dtype)
     mask = mask[:, :steps * BEAM].view(SENTENCES, 1, BEAM, steps * BEAM)
-    return lambda backends: attend(q, k, v, mask, False, NO_DROPOUT, FUSED, backends)
+    return lambda backends: attend_on(backends, q, k, v, mask, False, NO_DROPOUT, FUSED)
 
 
 def training_batch(length, max_tokens, device, dtype):
@@ -61,7 +69,7 @@ def training_batch(length, max_tokens, device, dtype):
     mask[-1, ..., length - length // 4:] = False
 
     def call(backends):
-        out, _, _ = attend(q, k, v, mask, False, NO_DROPOUT, FUSED, backends)
+        out, _, _ = attend_on(backends, q, k, v, mask, False, NO_DROPOUT, FUSED)
         out.sum().backward()
     return call
 

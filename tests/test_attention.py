@@ -256,35 +256,50 @@ def test_a_model_with_encoder_width_128_and_decoder_width_96_initialises_every_m
         assert glorot(layer.self_attn.out_proj.weight, 128, 128)
 
 
-def test_no_cudnn_switches_cudnn_attention_off_inside_the_fused_call_only(monkeypatch):
-    """--fused-attention-backends no-cudnn: torch's cuDNN backend is off while the fused kernel
-    runs (read inside the call), the user's setting is back afterwards, and torch's choice
-    leaves it alone; the attention is the same."""
+def test_no_cudnn_switches_cudnn_attention_off_around_the_layers_once_per_forward(monkeypatch):
+    """--fused-attention-backends no-cudnn: torch's cuDNN backend is off while every fused
+    attention call of the encoder and the decoder runs (read inside each call), switched once per
+    forward of each stack, not per call; the user's setting is back afterwards, and torch's
+    choice leaves it alone; the model's output is the same."""
     import torch.nn.functional as F
+
+    from conftest import build_tiny_model, make_dictionary, random_tokens
 
     if not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
         pytest.skip("this torch has no cuDNN attention backend to switch off")
     seen, sdpa = [], F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *args, **kwargs: (
         seen.append(torch.backends.cuda.cudnn_sdp_enabled()), sdpa(*args, **kwargs))[1])
-    x, memory = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
-    mask = pad_mask(torch.tensor([[False] * 7, [False] * 5 + [True] * 2]))
+    switches, switch = [], torch.backends.cuda.enable_cudnn_sdp
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp",
+                        lambda on: (switches.append(on), switch(on))[1])
+    d = make_dictionary(40)
+    src, prev = random_tokens(d, 3, 7), random_tokens(d, 3, 5)
+    src[1, :2] = d.pad()  # a source mask, in every attention over the source
     results, users = {}, torch.backends.cuda.cudnn_sdp_enabled()
     try:
         for user_setting in (True, False):
-            torch.backends.cuda.enable_cudnn_sdp(user_setting)
+            switch(user_setting)
             for backends in (TORCH_CHOICE, NO_CUDNN):
                 torch.manual_seed(0)
-                attn = MultiHeadedAttention(4, 32, self_attention=False, backends=backends).eval()
+                model = build_tiny_model(d, fused_attention_backends=backends).eval()
+                model.decoder.need_attn = False  # the fused kernel in every attention
+                layers = len(model.encoder.layers) + 2 * len(model.decoder.layers)
                 seen.clear()
-                results[backends] = attn(x, memory, mask=mask)[0]
-                assert seen == [user_setting and backends == TORCH_CHOICE]
+                switches.clear()
+                results[backends] = model(src, torch.full((3,), 7), prev)[0]
+                assert seen == [user_setting and backends == TORCH_CHOICE] * layers
+                # off and back, once around each stack's layers (none under torch's choice)
+                assert switches == ([] if backends == TORCH_CHOICE else [False, user_setting] * 2)
                 assert torch.backends.cuda.cudnn_sdp_enabled() == user_setting  # restored
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(users)
+        switch(users)
     assert torch.equal(results[TORCH_CHOICE], results[NO_CUDNN])
 
 
 def test_an_unknown_backends_choice_is_refused():
+    from fairseq_plugin.modules.attention import check_backends
+
     with pytest.raises(ValueError, match="'torch' or 'no-cudnn'"):
-        MultiHeadedAttention(4, 32, backends="cudnn")
+        check_backends("cudnn")
+    assert check_backends(NO_CUDNN) == NO_CUDNN

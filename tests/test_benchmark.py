@@ -806,17 +806,18 @@ def test_attention_new_shapes_times_each_backend_choice_at_shapes_none_other_use
     new shapes (the cost of a new shape is a first call's), and no-cudnn's calls run with
     torch's cuDNN attention switched off."""
     script = load_script("attention_new_shapes")
-    sdpa, attend, calls = torch.nn.functional.scaled_dot_product_attention, script.attend, []
+    sdpa, attend_on = torch.nn.functional.scaled_dot_product_attention, script.attend_on
+    calls = []
     cudnn_switch = getattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: None)
 
-    def recorded_attend(q, k, v, mask, causal, dropout, kernel, backends):
+    def recorded_attend(backends, q, k, *args):
         calls.append([k.size(2), backends])
-        return attend(q, k, v, mask, causal, dropout, kernel, backends)
+        return attend_on(backends, q, k, *args)
 
     def recorded_sdpa(*args, **kwargs):
         calls[-1].append(cudnn_switch())  # the switch inside the call
         return sdpa(*args, **kwargs)
-    monkeypatch.setattr(script, "attend", recorded_attend)
+    monkeypatch.setattr(script, "attend_on", recorded_attend)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded_sdpa)
     script.main(["--shapes", "3", "--max-tokens", "256"])
     out = capsys.readouterr().out

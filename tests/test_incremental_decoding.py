@@ -674,9 +674,9 @@ def count_kernels():
 
     counts, attend = {FUSED: 0, EXPLICIT: 0}, attention.attend
 
-    def counted(q, k, v, mask, causal, dropout, kernel, *backends):
+    def counted(q, k, v, mask, causal, dropout, kernel):
         counts[kernel] += 1
-        return attend(q, k, v, mask, causal, dropout, kernel, *backends)
+        return attend(q, k, v, mask, causal, dropout, kernel)
 
     attention.attend = counted
     try:

@@ -24,6 +24,7 @@ PRESETS = {  # layers, d_model, d_ff, heads
 OURS, THEIRS, BEFORE = "annotated_transformer", "transformer", "annotated_transformer@before"
 NO_PACKING = "annotated_transformer without packing"  # computing padding, as fairseq's does
 OURS_TORCH_CHOICE = "annotated_transformer torch-choice"  # --fused-attention-backends torch
+COMPILED = "annotated_transformer compiled"  # --compile-layers (--also-compiled)
 THEIRS_NO_CUDNN = "transformer without cuDNN attention"  # --also-transformer-without-cudnn
 
 

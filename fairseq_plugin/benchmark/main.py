@@ -54,6 +54,9 @@ operators of one decoding of each: where a GPU's beam search spends its time.
 --also-torch-choice adds a third contestant to every round: annotated_transformer trained (and
 so decoding) with --fused-attention-backends torch, its fused attention on the backend torch
 chooses, cuDNN included, instead of the default no-cudnn (also in --decoding-in-process).
+--also-compiled adds annotated_transformer trained with --compile-layers (its layers compiled with
+torch.compile for training; decoding steps stay eager), in the rounds and in --steps-in-process;
+in the rounds, compiling is part of the first intervals: read the figures after the first epoch.
 --also-without-packing adds annotated_transformer trained with --no-packing, its position-wise
 work on every position, padding included (decoding is the same either way, so not in
 --decoding-in-process): what packing costs or saves through fairseq-train, e.g. on a GPU.
@@ -83,7 +86,7 @@ import time
 from fairseq_plugin.cli.common import plugin_dir
 
 from . import mfu
-from .common import (BEFORE, NO_PACKING, OURS, OURS_TORCH_CHOICE, PRESETS, THEIRS,
+from .common import (BEFORE, COMPILED, NO_PACKING, OURS, OURS_TORCH_CHOICE, PRESETS, THEIRS,
                      THEIRS_NO_CUDNN, Device, Stopped, alternated, folder_name, raise_stopped,
                      arch_of, training_flags, without_cudnn)
 from .data import batch_padding, first_test_sentences, make_data, prepare_tatoeba
@@ -187,6 +190,9 @@ def main(argv=None):
     p.add_argument("--also-without-packing", action="store_true",
                    help="also run annotated_transformer with --no-packing in every round: in "
                         "training, its position-wise work on every position, padding included")
+    p.add_argument("--also-compiled", action="store_true",
+                   help="also run annotated_transformer with --compile-layers, its layers "
+                        "compiled with torch.compile, in every round (and in --steps-in-process)")
     p.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
                    help="the device's peak in TFLOP/s for the MFU figures (default: a table of "
                         "GPUs by name, or on the CPU its measured matrix-product rate)")
@@ -276,7 +282,8 @@ def run(args, device, work):
     if args.steps_in_process:
         seconds, tokens = steps_in_process(
             data_bin, args.preset, args.max_tokens, args.steps_in_process, args.profile_steps,
-            device, args.without_packing, gpu_paths=args.gpu_paths_on_cpu)
+            device, args.without_packing, gpu_paths=args.gpu_paths_on_cpu,
+            compiled=args.also_compiled)
         print_step_times(seconds, tokens, flops)
         return
     results, ct2, complete = rounds(args, device, work, data_bin, gen_bin, n_decoded, flops)
@@ -323,10 +330,10 @@ def print_step_times(seconds, tokens, flops):
     print(f"\n{len(ours)} training steps each, alternated: {OURS} median "
           f"{1000 * statistics.median(ours):.0f} ms, {THEIRS} median "
           f"{1000 * statistics.median(theirs):.0f} ms; {step_ratio_line(OURS, ours, theirs)}")
-    if NO_PACKING in seconds:
-        unpacked = seconds[NO_PACKING]
-        print(f"{NO_PACKING}: median {1000 * statistics.median(unpacked):.0f} ms; "
-              f"{step_ratio_line(NO_PACKING, unpacked, theirs)}")
+    for name in (NO_PACKING, COMPILED):
+        if name in seconds:
+            print(f"{name}: median {1000 * statistics.median(seconds[name]):.0f} ms; "
+                  f"{step_ratio_line(name, seconds[name], theirs)}")
     for name, times in seconds.items():
         arch = arch_of(name)
         print(f"{name}: {tokens / sum(times):.0f} target words/s over the timed steps, "
@@ -337,6 +344,7 @@ def contestants_of(args):
     """(name, --arch, --user-dir, more model flags) of each model in the rounds: ours and
     fairseq's; --before adds another checkout's plugin, --also-torch-choice ours with
     --fused-attention-backends torch, --also-without-packing ours with --no-packing,
+    --also-compiled ours with --compile-layers,
     --also-transformer-without-cudnn fairseq's with cuDNN attention off (THEIRS_NO_CUDNN)."""
     contestants = [(OURS, OURS, plugin_dir(), []), (THEIRS, THEIRS, plugin_dir(), [])]
     if args.before:
@@ -346,6 +354,8 @@ def contestants_of(args):
                             ["--fused-attention-backends", "torch"]))
     if args.also_without_packing:
         contestants.append((NO_PACKING, OURS, plugin_dir(), ["--no-packing"]))
+    if args.also_compiled:
+        contestants.append((COMPILED, OURS, plugin_dir(), ["--compile-layers"]))
     if args.also_transformer_without_cudnn:
         contestants.append((THEIRS_NO_CUDNN, THEIRS, plugin_dir(), []))
     return contestants

@@ -35,7 +35,11 @@ def layer_parameters(model):
     the size of the output projection, of annotated_transformer or fairseq's transformer (their
     stacks keep their layers in ``.layers``)."""
     def count(layers):
-        return sum(p.numel() for layer in layers for p in layer.parameters())
+        # the parameters of each layer's sublayers; fairseq 0.12.2's encoder layer also holds
+        # zero-filled copies of its weights as its own parameters, for its BetterTransformer
+        # inference path, which do no training work
+        return sum(p.numel() for layer in layers for sublayer in layer.children()
+                   for p in sublayer.parameters())
     decoder = model.decoder
     # the output projection, (V, d_model): fairseq's transformer's, or our Generator's
     projection = getattr(decoder, "output_projection", None) or decoder.generator.proj

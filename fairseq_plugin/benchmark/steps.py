@@ -9,7 +9,8 @@ import time
 from fairseq_plugin.cli.common import plugin_dir
 
 from . import cuda_peak
-from .common import CPU, NO_PACKING, OURS, THEIRS, alternated, fairseq_setup, training_flags
+from .common import (COMPILED, CPU, NO_PACKING, OURS, THEIRS, alternated, fairseq_setup,
+                     training_flags)
 from .memory import print_live_at_peak, print_memory
 from .profiling import print_profiles
 
@@ -25,12 +26,13 @@ def fairseq_trainer(flags):
 
 
 def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, device=CPU,
-                     without_packing=False, memory=None, gpu_paths=False):
+                     without_packing=False, memory=None, gpu_paths=False, compiled=False):
     """Training steps of both models in one process on the same batches, alternated step by step
     (A B, B A, ...), so that the machine's drift falls on both alike. Returns ({name: [seconds of
     each step]}, the target words of those steps); with ``profile_steps``, then profiles that
     many steps of each (print_profiles).
-    ``without_packing`` adds annotated_transformer computing padding too (NO_PACKING). ``memory``
+    ``without_packing`` adds annotated_transformer computing padding too (NO_PACKING),
+    ``compiled`` annotated_transformer with --compile-layers (COMPILED). ``memory``
     reads what one step holds at its peak (step_peak_mib; None: cuda_peak.PeakCounter on a GPU,
     storage_peak.StoragePeakCounter on the CPU where torch allows it).
     ``gpu_paths``: our models take a GPU's paths on the CPU (gpu_paths_on_cpu)."""
@@ -41,6 +43,8 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
         trainers[NO_PACKING] = fairseq_trainer(flags[OURS])
         model = trainers[NO_PACKING].model
         model.encoder.skip_padding = model.decoder.skip_padding = False
+    if compiled:
+        trainers[COMPILED] = fairseq_trainer(flags[OURS] + ["--compile-layers"])
     with gpu_paths_on_cpu(trainers) if gpu_paths else contextlib.nullcontext():
         return alternated_steps(trainers, max_tokens, steps, profile_steps, device, memory)
 

@@ -28,7 +28,8 @@ from fairseq.models import (
 from torch import Tensor, nn
 
 from ..errors import PluginError
-from ..modules.attention import IncrementalState, MultiHeadedAttention
+from ..modules.attention import (NO_CUDNN, IncrementalState, MultiHeadedAttention,
+                                 check_backends, fused_backends)
 from ..modules.cache import Ancestry, ReorderPlans, beam_group, reorder_encoder_rows
 from ..modules.embeddings import (
     EmbeddingLayer,
@@ -37,6 +38,7 @@ from ..modules.embeddings import (
     LearnedPositionalEncoding,
     SinusoidalPositionalEncoding,
 )
+from ..modules.compiled import CompiledLayers
 from ..modules.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 from ..modules.packing import packing_for
 from .config import (AnnotatedTransformerConfig, add_unsupported_transformer_flags,
@@ -48,7 +50,8 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
     ``AnnotatedTransformerModel.make_model``."""
 
     def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[EncoderLayer],
-                 norm: Optional[nn.LayerNorm], skip_padding: bool = True):
+                 norm: Optional[nn.LayerNorm], skip_padding: bool = True,
+                 attention_backends: str = NO_CUDNN):
         super().__init__(dictionary)
         self.padding_idx = dictionary.pad()
         self.embed = embed  # the notebook's src_embed: Embeddings and PositionalEncoding
@@ -56,6 +59,10 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         self.norm = norm  # pre-LN's final LayerNorm (None when post-LN)
         # in training, position-wise work on real tokens only (packing.py; off: --no-packing)
         self.skip_padding = skip_padding
+        # --compile-layers: the layers compiled for full passes (modules/compiled.py), or None
+        self.compiled: Optional[CompiledLayers] = None
+        # --fused-attention-backends: where torch's fused attention may run, during the layers
+        self.attention_backends = check_backends(attention_backends)
         self.beam_size = 1  # set by fairseq's SequenceGenerator, through the model
         # beam search's reorder plans, shared with the decoder (make_model; modules/cache.py)
         self.reorder_plans = ReorderPlans()
@@ -72,10 +79,11 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         # in training, position-wise work on real tokens only (modules/packing.py)
         packing = packing_for(padding_mask, self.skip_padding and self.training)
         x = packing.pack(x)
-        for layer in self.layers:
-            x = layer(x, mask, packing)
-            if return_all_hiddens:
-                states.append(packing.unpack(x))
+        with fused_backends(self.attention_backends):
+            for layer in self.compiled or self.layers:
+                x = layer(x, mask, packing)
+                if return_all_hiddens:
+                    states.append(packing.unpack(x))
         x = packing.unpack(x)
         if self.norm is not None:
             x = self.norm(x)
@@ -123,7 +131,8 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
     """
 
     def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[DecoderLayer],
-                 norm: Optional[nn.LayerNorm], generator: Generator, skip_padding: bool = True):
+                 norm: Optional[nn.LayerNorm], generator: Generator, skip_padding: bool = True,
+                 attention_backends: str = NO_CUDNN):
         super().__init__(dictionary)
         self.padding_idx = dictionary.pad()
         self.embed = embed  # the notebook's tgt_embed: Embeddings and PositionalEncoding
@@ -132,6 +141,10 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         self.generator = generator
         # in training, position-wise work on real tokens only (packing.py; off: --no-packing)
         self.skip_padding = skip_padding
+        # --compile-layers: the layers compiled for full passes (modules/compiled.py), or None
+        self.compiled: Optional[CompiledLayers] = None
+        # --fused-attention-backends: where torch's fused attention may run, during the layers
+        self.attention_backends = check_backends(attention_backends)
         # outside training, return the alignment layer's source attention, as fairseq's
         # transformer always does (the hub's hypotheses, --print-alignment); False: the fused
         # kernel in every attention (tests, the cache benchmark's baseline)
@@ -190,13 +203,17 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         packing = packing_for(tgt_padding, self.skip_padding and self.training and not want_attn)
         x = packing.pack(x)
         attn, inner_states = None, [x]
-        for i, layer in enumerate(self.layers):
-            x, layer_attn = layer(x, memory, src_mask=src_mask, tgt_mask=tgt_mask,
-                                  incremental_state=incremental_state,
-                                  need_attn=want_attn and i == alignment_layer, packing=packing)
-            inner_states.append(x)
-            if i == alignment_layer:
-                attn = layer_attn
+        # a full pass may run the compiled layers; a decoding step runs them as they are
+        layers = self.compiled if incremental_state is None and self.compiled else self.layers
+        with fused_backends(self.attention_backends):
+            for i, layer in enumerate(layers):
+                x, layer_attn = layer(x, memory, src_mask=src_mask, tgt_mask=tgt_mask,
+                                      incremental_state=incremental_state,
+                                      need_attn=want_attn and i == alignment_layer,
+                                      packing=packing)
+                inner_states.append(x)
+                if i == alignment_layer:
+                    attn = layer_attn
         x = packing.unpack(x)
         if self.norm is not None:  # pre-LN's final LayerNorm
             x = self.norm(x)
@@ -308,31 +325,33 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         encoder = AnnotatedTransformerEncoder(
             src_dict,
             embed=_embedding_layer(args, src_tokens, "source"),
-            layers=[EncoderLayer(d, MultiHeadedAttention(h, d, p_attn, backends=backends),
+            layers=[EncoderLayer(d, MultiHeadedAttention(h, d, p_attn),
                                  _feed_forward(args, d, args.encoder_ffn_embed_dim),
                                  dropout, normalize_before=pre_ln)
                     for _ in range(args.encoder_layers)],
             norm=nn.LayerNorm(d) if pre_ln else None,  # pre-LN's final LayerNorm
-            skip_padding=not args.no_packing)
+            skip_padding=not args.no_packing, attention_backends=backends)
         pre_ln = normalize_before(args, "decoder")
         d, h = args.decoder_embed_dim, args.decoder_attention_heads
         decoder = AnnotatedTransformerDecoder(
             tgt_dict,
             embed=_embedding_layer(args, tgt_tokens, "target"),
-            layers=[DecoderLayer(d, MultiHeadedAttention(h, d, p_attn, backends=backends),
+            layers=[DecoderLayer(d, MultiHeadedAttention(h, d, p_attn),
                                  MultiHeadedAttention(h, d, p_attn, self_attention=False,
-                                                      d_memory=args.encoder_embed_dim,
-                                                      backends=backends),
+                                                      d_memory=args.encoder_embed_dim),
                                  _feed_forward(args, d, args.decoder_ffn_embed_dim),
                                  dropout, normalize_before=pre_ln)
                     for _ in range(args.decoder_layers)],
             norm=nn.LayerNorm(d) if pre_ln else None,
             generator=Generator(d, len(tgt_dict), tgt_tokens.lut.weight if share_output else None),
-            skip_padding=not args.no_packing)
+            skip_padding=not args.no_packing, attention_backends=backends)
         # the decoder's reorder plans, which beam search's step then hands the encoder
         decoder.reorder_plans = encoder.reorder_plans
         model = cls(encoder, decoder)
         model.init_parameters_(args.embedding_init)
+        if args.compile_layers:
+            encoder.compiled = CompiledLayers(encoder.layers)
+            decoder.compiled = CompiledLayers(decoder.layers)
         return model
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):

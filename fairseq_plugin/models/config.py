@@ -89,6 +89,10 @@ class AnnotatedTransformerConfig(FairseqDataclass):
         False, "in training, run each layer's position-wise work on every position, padding "
                "included (default: on real tokens only where at least 2%% of a batch's positions "
                "are padding, modules/packing.py); the same results, other speed and memory")
+    compile_layers: bool = _option(
+        False, "compile each encoder and decoder layer with torch.compile (dynamic shapes) for "
+               "training and validation; decoding steps stay eager (modules/compiled.py); the "
+               "same results, other speed; the first batches of each kind wait for compilation")
 
 
 class _UnsupportedFlag(argparse.Action):
@@ -152,6 +156,22 @@ def check_options(args: Namespace, src_dict, tgt_dict) -> None:
     _check_flags(args)
     if args.share_all_embeddings:
         _check_shared_embeddings(args, src_dict, tgt_dict)
+    if getattr(args, "compile_layers", False):
+        _check_compiler()
+
+
+def _check_compiler() -> None:
+    """One line where torch.compile cannot run (torch < 2.4 on Python 3.12, for one)."""
+    import sys
+
+    import torch
+    from torch import _dynamo
+
+    if not _dynamo.is_dynamo_supported():
+        raise PluginError(f"--compile-layers: torch.compile does not run with torch "
+                          f"{torch.__version__} on Python {sys.version.split()[0]}; drop "
+                          f"--compile-layers, or install a torch whose torch.compile supports "
+                          f"this Python")
 
 
 def check_task(task) -> None:

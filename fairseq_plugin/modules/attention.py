@@ -94,8 +94,7 @@ def choose_kernel(need_weights: bool, forced: Optional[str] = None) -> str:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
-           dropout: Dropout, kernel: str, backends: str = NO_CUDNN
-           ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+           dropout: Dropout, kernel: str) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """Attention(Q, K, V) with the chosen kernel: (B, h, T, d_k), the weights (B, h, T, S) for
     the explicit kernel, and the queries that may attend to no key, (B, 1, T, 1), where the
     fused kernel is not certain to give them zeros (see _SDPA_ZEROES_EMPTY_ROWS_ON_CPU): they
@@ -104,7 +103,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool
     ``mask``: boolean, True where a query may attend, or a cache's additive mask (0 / -inf),
     never with ``causal`` (a self-attention cache given several steps at once keeps one row per
     hypothesis: no mask). ``causal``: the T queries are the last T of the S positions, and each
-    sees the keys up to its own. ``backends``: those the fused kernel may run on."""
+    sees the keys up to its own. (Which backends the fused kernel may run on is chosen once per
+    forward of a stack: ``fused_backends``.)"""
     square = q.size(-2) == k.size(-2)  # the fused kernel's is_causal assumes T = S
     if causal and (mask is not None or kernel == EXPLICIT or not square):
         causal_part = causal_mask(q.size(-2), k.size(-2), q.device)
@@ -116,16 +116,24 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool
         no_keys = ~mask.any(-1, keepdim=True)  # queries with no key to attend to
         mask = mask | no_keys
         no_keys = no_keys.expand(q.size(0), 1, q.size(2), 1)
-    with fused_backends(backends):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             dropout_p=dropout.p if dropout.active else 0.0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                         dropout_p=dropout.p if dropout.active else 0.0)
     return out, None, no_keys
+
+
+def check_backends(backends: str) -> str:
+    """``backends`` if it names a choice of fused_backends; else one line saying which do."""
+    if backends not in (TORCH_CHOICE, NO_CUDNN):
+        raise ValueError(f"backends {backends!r}: {TORCH_CHOICE!r} or {NO_CUDNN!r}")
+    return backends
 
 
 @contextlib.contextmanager
 def fused_backends(backends: str):
     """Inside: torch's fused attention runs on ``backends`` (NO_CUDNN: cuDNN's switched off, the
-    user's choice of the others kept); the process's settings are restored on the way out."""
+    user's choice of the others kept); the process's settings are restored on the way out. The
+    encoder and the decoder enter it once per forward, around their layers (outside what
+    --compile-layers compiles), not once per attention call."""
     if backends == TORCH_CHOICE or not _TORCH_HAS_CUDNN_ATTENTION:
         yield
         return
@@ -180,12 +188,10 @@ class MultiHeadedAttention(nn.Module):
     """
 
     def __init__(self, heads: int, d_model: int, dropout: float = 0.0, self_attention: bool = True,
-                 d_memory: Optional[int] = None, backends: str = NO_CUDNN):
+                 d_memory: Optional[int] = None):
         super().__init__()
         if heads <= 0 or d_model % heads:
             raise ValueError(f"d_model {d_model} is not a multiple of h = {heads}")
-        if backends not in (TORCH_CHOICE, NO_CUDNN):
-            raise ValueError(f"backends {backends!r}: {TORCH_CHOICE!r} or {NO_CUDNN!r}")
         self.h = heads
         self.d_k = d_model // heads
         self.self_attention = self_attention
@@ -200,7 +206,6 @@ class MultiHeadedAttention(nn.Module):
         self.dropout = Dropout(dropout, type(self).__name__, cpu_mask=False)
         # FUSED or EXPLICIT forces the kernel (tests, the benchmark); weights need EXPLICIT
         self.kernel: Optional[str] = None
-        self.backends = backends  # NO_CUDNN or TORCH_CHOICE: where the fused kernel may run
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -234,7 +239,7 @@ class MultiHeadedAttention(nn.Module):
         #    g rows side by side: (B / g, h, g * T, d_k), when the cache shares its keys)
         kernel = choose_kernel(need_weights, self.kernel)
         out, weights, no_keys = attend(group_queries(q, group), k, v, mask, causal, self.dropout,
-                                       kernel, self.backends)
+                                       kernel)
         # 3) "concatenated and once again projected": (B, h, T, d_k) -> (B, T, d_model) -> W^O,
         #    then packed in training, (N, d_model). W^O's input is the kernel's own output (a
         #    view), which backward keeps anyway: packing or zeroing its rows first would keep a

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import PluginError
+from ..torch_release import compiling
 
 _LEVELS = 1 << 15  # a mask element compares one 15-bit slice of a random integer
 
@@ -87,7 +88,9 @@ class Dropout(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.active:
             return x
-        if x.device.type != "cpu" or not self.cpu_mask:
+        # torch's dropout also inside torch.compile (--compile-layers), whose generated kernels
+        # draw the mask themselves, fused with the work around it
+        if x.device.type != "cpu" or not self.cpu_mask or compiling():
             return F.dropout(x, self.p, training=True)
         return _CpuDropout.apply(x, self.p)
 

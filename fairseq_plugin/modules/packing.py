@@ -29,7 +29,8 @@ class RealPositions:
     """The real (non-padding) positions of a (B, L) batch."""
 
     def __init__(self, real: Tensor):
-        self.shape = real.shape  # (B, L)
+        self.real = real  # (B, L), True at real tokens (its sizes, not a torch.Size: under
+        # torch.compile a tensor's sizes are symbolic, a kept Size would be a constant)
         self.index = real.reshape(-1).nonzero().squeeze(1)  # (N,) positions in B * L
 
     def pack(self, x: Tensor) -> Tensor:
@@ -39,8 +40,8 @@ class RealPositions:
     def unpack(self, x: Tensor) -> Tensor:
         """(N, ...) -> (B, L, ...), zeros at padding. (index_put keeps only the positions for its
         backward; index_copy would keep all of x, a second copy of every unpacked projection.)"""
-        out = x.new_zeros(self.shape.numel(), *x.shape[1:]).index_put((self.index,), x)
-        return out.view(*self.shape, *x.shape[1:])
+        out = x.new_zeros(self.real.numel(), *x.shape[1:]).index_put((self.index,), x)
+        return out.view(*self.real.shape, *x.shape[1:])
 
 
 class AllPositions:
