@@ -30,6 +30,7 @@ def test_training_logs_noam_rate_and_label_smoothed_loss(reverse_run):
         assert float(logged["loss"]) != float(logged["nll_loss"]), logged
 
 
+@pytest.mark.main_lane  # the reverse task's training covers fairseq 0.12.2's in its lane
 def test_the_notebooks_copy_task_reaches_exact_copies_under_greedy_decoding(tmp_path):
     """The notebook's first example (10 symbols from a vocabulary of 10, copied), made by
     annotated-copy-data's code, trained through fairseq-train and decoded greedily

@@ -45,6 +45,7 @@ def test_a_plugin_error_is_one_line_and_the_traceback_is_there_on_request():
     assert "Traceback (most recent call last)" in proc.stderr and "in load" in proc.stderr
 
 
+@pytest.mark.main_lane  # the plugin's own commands' error handling, whatever fairseq's version
 @pytest.mark.parametrize("command", ["annotated-prepare", "annotated-average-checkpoints",
                                      "annotated-export-fairseq", "annotated-evaluate-bleu",
                                      "annotated-attention-heatmaps"])

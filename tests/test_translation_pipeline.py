@@ -353,6 +353,7 @@ def test_short_run_generates_and_scores_with_sacrebleu(trained):
     assert "'lenpen': 1.5" in (ckpt / "generate-valid.log").read_text()
 
 
+@pytest.mark.main_lane  # the plugin's own checks of its input, before fairseq runs
 def test_evaluation_refuses_bad_input_in_one_line_and_keeps_earlier_outputs(trained, tmp_path):
     w, _ = trained
     proc = cli("annotated-evaluate-bleu", w / "bin", tmp_path / "checkpoint_bst.pt", check=False)
