@@ -1,14 +1,15 @@
 """Speed, kept apart from the model: the layers compiled with torch.compile for full passes.
 
 With ``--compile-layers`` each encoder and decoder layer's forward is compiled (torch.compile,
-dynamic shapes) for the passes over whole sentences, training's and validation's; incremental
-decoding's steps call the same layers uncompiled. The compiled code is the code of layers.py and
+dynamic shapes) for the passes over whole sentences: training's, validation's, and the encoder's
+at generation; incremental decoding's steps call the same layers uncompiled. The compiled code is the code of layers.py and
 attention.py, read as it stands: TorchDynamo traces it into one graph per layer and TorchInductor
 fuses its element-wise work (dropout, residual additions, layer norms, the activation) into a
 few kernels. A new batch shape does not recompile (the lengths are symbolic); what recompiles is
 a new *kind* of call — training or evaluation, a source mask or none, packed rows or the whole
 batch, the layer that returns its attention weights — a handful per layer (tested bound).
-The results are the eager layers' (tested: loss and every gradient, fp32).
+The results are the eager layers' (tested: loss and every gradient, fp32). On 2 CPU cores it
+was slower than eager (docs/benchmarks.md, "Compiled layers"): off by default.
 """
 
 from typing import Callable, List, Sequence
