@@ -366,6 +366,7 @@ def test_decoding_part_of_a_test_set_takes_its_first_sentences(tmp_path, dataset
         assert all(first[i].tolist() == full[i].tolist() for i in range(7))
 
 
+@pytest.mark.main_lane  # the benchmark's own option checks, whatever fairseq's version
 @pytest.mark.parametrize("args, message", [
     (["--rounds", "0"], "argument --rounds: '0': give a whole number of at least 1"),
     (["--test-sentences", "x"], "argument --test-sentences: 'x': give a whole number of at least 1"),

@@ -597,6 +597,7 @@ def test_attention_heatmaps_are_pngs_of_rows_summing_to_one(prepared, trained, t
         "encoder_self_layer1_head0.png"]
 
 
+@pytest.mark.main_lane  # the heat-map command's own input checks, whatever fairseq's version
 @pytest.mark.parametrize("checkpoint, sentence, extra, message", [
     ("checkpoint_last.pt", "   ", [], "the sentence is empty"),
     ("checkpoint_last.pt", "Tom öffnete das Bier.", ["--layers", "2"],
