@@ -31,6 +31,7 @@ from ..errors import PluginError
 from ..modules.attention import (NO_CUDNN, IncrementalState, MultiHeadedAttention,
                                  check_backends, fused_backends)
 from ..modules.cache import Ancestry, ReorderPlans, beam_group, reorder_encoder_rows
+from ..modules.compiled import CompiledLayers
 from ..modules.embeddings import (
     EmbeddingLayer,
     Embeddings,
@@ -38,7 +39,6 @@ from ..modules.embeddings import (
     LearnedPositionalEncoding,
     SinusoidalPositionalEncoding,
 )
-from ..modules.compiled import CompiledLayers
 from ..modules.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 from ..modules.packing import packing_for
 from .config import (AnnotatedTransformerConfig, add_unsupported_transformer_flags,
