@@ -39,7 +39,7 @@ NO_DROPOUT = Dropout(0.0, "attention_new_shapes", cpu_mask=False)
 
 def attend_on(backends, *args):
     """``attend(*args)`` with the fused kernel on ``backends``, as the model's stacks run it."""
-    with fused_backends(backends):
+    with fused_backends(backends, args[0].device):
         return attend(*args)
 
 

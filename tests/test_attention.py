@@ -256,17 +256,26 @@ def test_a_model_with_encoder_width_128_and_decoder_width_96_initialises_every_m
         assert glorot(layer.self_attn.out_proj.weight, 128, 128)
 
 
-def test_no_cudnn_switches_cudnn_attention_off_around_the_layers_once_per_forward(monkeypatch):
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_no_cudnn_switches_cudnn_attention_off_around_the_layers_once_per_forward(device,
+                                                                                  monkeypatch):
     """--fused-attention-backends no-cudnn: torch's cuDNN backend is off while every fused
     attention call of the encoder and the decoder runs (read inside each call), switched once per
     forward of each stack, not per call; the user's setting is back afterwards, and torch's
-    choice leaves it alone; the model's output is the same."""
+    choice leaves it alone; the model's output is the same. "cuda": the model runs on the CPU,
+    but its stacks switch as they would on a CUDA device; "cpu": as it is, nothing is switched
+    (the CPU has no cuDNN attention)."""
     import torch.nn.functional as F
 
     from conftest import build_tiny_model, make_dictionary, random_tokens
+    from fairseq_plugin.models import annotated_transformer
+    from fairseq_plugin.modules.attention import fused_backends
 
     if not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
         pytest.skip("this torch has no cuDNN attention backend to switch off")
+    if device == "cuda":
+        monkeypatch.setattr(annotated_transformer, "fused_backends",
+                            lambda backends, _: fused_backends(backends, torch.device("cuda")))
     seen, sdpa = [], F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *args, **kwargs: (
         seen.append(torch.backends.cuda.cudnn_sdp_enabled()), sdpa(*args, **kwargs))[1])
@@ -288,9 +297,10 @@ def test_no_cudnn_switches_cudnn_attention_off_around_the_layers_once_per_forwar
                 seen.clear()
                 switches.clear()
                 results[backends] = model(src, torch.full((3,), 7), prev)[0]
-                assert seen == [user_setting and backends == TORCH_CHOICE] * layers
+                switched = backends == NO_CUDNN and device == "cuda"
+                assert seen == [user_setting and not switched] * layers
                 # off and back, once around each stack's layers (none under torch's choice)
-                assert switches == ([] if backends == TORCH_CHOICE else [False, user_setting] * 2)
+                assert switches == ([False, user_setting] * 2 if switched else [])
                 assert torch.backends.cuda.cudnn_sdp_enabled() == user_setting  # restored
     finally:
         switch(users)

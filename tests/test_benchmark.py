@@ -820,6 +820,10 @@ def test_attention_new_shapes_times_each_backend_choice_at_shapes_none_other_use
         return sdpa(*args, **kwargs)
     monkeypatch.setattr(script, "attend_on", recorded_attend)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded_sdpa)
+    # on the CPU, the switch as a CUDA device's calls would see it (the CPU's leave it alone)
+    fused_backends = script.fused_backends
+    monkeypatch.setattr(script, "fused_backends",
+                        lambda backends, _: fused_backends(backends, torch.device("cuda")))
     script.main(["--shapes", "3", "--max-tokens", "256"])
     out = capsys.readouterr().out
     tables = re.findall(r"\n(decoding steps|training batches)[^\n]*\n\|[^\n]*\n\|---[^\n]*\n"

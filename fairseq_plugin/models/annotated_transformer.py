@@ -79,7 +79,7 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         # in training, position-wise work on real tokens only (modules/packing.py)
         packing = packing_for(padding_mask, self.skip_padding and self.training)
         x = packing.pack(x)
-        with fused_backends(self.attention_backends):
+        with fused_backends(self.attention_backends, x.device):
             for layer in self.compiled or self.layers:
                 x = layer(x, mask, packing)
                 if return_all_hiddens:
@@ -205,7 +205,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         attn, inner_states = None, [x]
         # a full pass may run the compiled layers; a decoding step runs them as they are
         layers = self.compiled if incremental_state is None and self.compiled else self.layers
-        with fused_backends(self.attention_backends):
+        with fused_backends(self.attention_backends, x.device):
             for i, layer in enumerate(layers):
                 x, layer_attn = layer(x, memory, src_mask=src_mask, tgt_mask=tgt_mask,
                                       incremental_state=incremental_state,

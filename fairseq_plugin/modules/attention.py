@@ -129,12 +129,13 @@ def check_backends(backends: str) -> str:
 
 
 @contextlib.contextmanager
-def fused_backends(backends: str):
-    """Inside: torch's fused attention runs on ``backends`` (NO_CUDNN: cuDNN's switched off, the
-    user's choice of the others kept); the process's settings are restored on the way out. The
-    encoder and the decoder enter it once per forward, around their layers (outside what
-    --compile-layers compiles), not once per attention call."""
-    if backends == TORCH_CHOICE or not _TORCH_HAS_CUDNN_ATTENTION:
+def fused_backends(backends: str, device: torch.device):
+    """Inside: torch's fused attention on ``device`` runs on ``backends`` (NO_CUDNN: cuDNN's
+    switched off on a CUDA device, the user's choice of the others kept; other devices have no
+    cuDNN attention, and nothing is touched); the process's settings are restored on the way
+    out. The encoder and the decoder enter it once per forward, around their layers (outside
+    what --compile-layers compiles), not once per attention call."""
+    if backends == TORCH_CHOICE or device.type != "cuda" or not _TORCH_HAS_CUDNN_ATTENTION:
         yield
         return
     enabled = torch.backends.cuda.cudnn_sdp_enabled()
