@@ -181,11 +181,12 @@ REVERSE_SEED = 1
 
 @pytest.fixture(scope="session")
 def reverse_run(tmp_path_factory):
-    """The reverse task trained once through fairseq-train (about 2 minutes on 2 cores).
+    """The reverse task trained once through fairseq-train, as make demo-reverse trains it
+    (about 6 minutes on 2 cores; its best epoch among the first 20 read 95.8 % exact match, among
+    all 30 98.2 %: fewer epochs would leave the test's 95 % no margin).
     "checkpoint", what the tests decode: the epoch of the lowest validation loss
     (checkpoint_best.pt, as fairseq's users decode), since exact match swings from epoch to
-    epoch (a 2-core Intel Xeon's last epoch read 94.6 %, its best 99.0 %); "last": checkpoint_last.pt, where a restored
-    training goes on."""
+    epoch; "last": checkpoint_last.pt, where a restored training goes on."""
     w = tmp_path_factory.mktemp("reverse")
     raw, data_bin, ckpt = w / "raw", w / "data-bin", w / "checkpoints"
     reverse_task.main([str(raw)])

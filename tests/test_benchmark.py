@@ -392,13 +392,27 @@ def test_decoding_part_of_a_test_set_takes_its_first_sentences(tmp_path, dataset
                                            "cuDNN attention allowed; add --device cuda, leave "
                                            "out --no-cudnn-attention"),
 ])
-def test_bad_benchmark_options_are_one_error_line_before_any_work(args, message, tmp_path):
+def test_bad_benchmark_options_are_one_error_line_before_any_work(args, message, tmp_path,
+                                                                  capsys):
+    """In this process (the command's start-up, a few seconds each, is paid once, below)."""
+    from fairseq_plugin.benchmark.main import main
+
     (tmp_path / "a_file").write_text("")
-    proc = subprocess.run([*BENCHMARK, *[a.format(tmp=tmp_path) for a in args]],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1] == "annotated-benchmark: error: " + message.format(tmp=tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main([a.format(tmp=tmp_path) for a in args])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "annotated-benchmark: error: " + message.format(tmp=tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+@pytest.mark.main_lane
+def test_the_benchmark_command_refuses_a_bad_option_in_one_line_of_its_own():
+    proc = subprocess.run([*BENCHMARK, "--rounds", "0"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == ("annotated-benchmark: error: argument --rounds: '0': "
+                                            "give a whole number of at least 1")
 
 
 def test_without_cudnn_attention_every_gpu_process_switches_it_off_before_fairseq_runs():
