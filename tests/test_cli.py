@@ -30,25 +30,17 @@ def test_training_logs_noam_rate_and_label_smoothed_loss(reverse_run):
         assert float(logged["loss"]) != float(logged["nll_loss"]), logged
 
 
-@pytest.mark.main_lane  # the reverse task's training covers fairseq 0.12.2's in its lane
-def test_the_notebooks_copy_task_reaches_exact_copies_under_greedy_decoding(tmp_path):
-    """The notebook's first example (10 symbols from a vocabulary of 10, copied), made by
-    annotated-copy-data's code, trained through fairseq-train and decoded greedily
-    (fairseq-generate --beam 1). On the 2-core machine every one of the 500 test sequences
-    was copied exactly."""
+def test_the_copy_task_is_the_notebooks_ten_symbols_copied(tmp_path):
+    """annotated-copy-data's code writes the notebook's first example: 10 symbols from a
+    vocabulary of 10, the target the source. (Trained through fairseq-train and decoded greedily
+    and with beam 5, it is copied exactly: the walkthrough does it and tests/test_walkthrough.py
+    asserts it, in the main lane.)"""
     raw = tmp_path / "raw"
-    reverse_task.copy_main([str(raw), "--train", "10000"])
-    first = (raw / "train.src").read_text().splitlines()[0].split()
-    assert len(first) == 10 and (raw / "train.tgt").read_text().splitlines()[0].split() == first
-    data_bin = preprocess_reverse(raw, tmp_path / "bin")
-    cli(*reverse_task.train_command(str(data_bin), str(tmp_path / "ckpt"), 8))
-    out = cli(*reverse_task.generate_command(str(data_bin), str(tmp_path / "ckpt" /
-                                                                "checkpoint_best.pt"), beam=1))
-    (tmp_path / "generate.txt").write_text(out.stdout)
-    triples = reverse_task.read_generate_output(str(tmp_path / "generate.txt"))
-    assert len(triples) == 500
-    print(f"copy task exact match, greedy: {reverse_task.exact_match(triples):.1%}")
-    assert reverse_task.exact_match(triples) >= 0.99
+    reverse_task.copy_main([str(raw), "--train", "1000"])
+    sources = [line.split() for line in (raw / "train.src").read_text().splitlines()]
+    targets = [line.split() for line in (raw / "train.tgt").read_text().splitlines()]
+    assert len(sources) == 1000 and targets == sources
+    assert {len(s) for s in sources} == {10} and len({t for s in sources for t in s}) == 10
 
 
 def test_reverse_task_reaches_95_percent_exact_match_with_beam_5(generated):
