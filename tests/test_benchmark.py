@@ -44,6 +44,7 @@ def benchmark(*args, work):
 
 
 
+@pytest.mark.main_lane  # for CI's time; the 0.12.2 lane keeps in-process steps and MFU
 def test_gpu_paths_on_cpu_give_our_model_torchs_dropout_and_a_gpus_rows_without_keys(
         tmp_path, monkeypatch):
     """--gpu-paths-on-cpu: in --steps-in-process our model takes on the CPU the paths it takes
@@ -682,6 +683,7 @@ def test_a_command_that_finished_keeps_its_figures_through_an_abort_in_shutdown_
     assert runs.ABORTED_AFTER_FINISHING == ["finished-then-aborted"]
 
 
+@pytest.mark.main_lane  # for CI's time; the 0.12.2 lane keeps in-process steps and MFU
 def test_skip_generation_measures_training_alone_and_decodes_nothing(tmp_path):
     """Training's round lines and rows only, nothing decoded (so this runs on fairseq 0.12.2
     too, whose own transformer cannot decode padded batches)."""

@@ -87,6 +87,7 @@ def test_a_hydra_run_resumes_from_its_last_checkpoint(data_bin, runs, tmp_path):
     assert min(logged_updates(proc)) == stopped_at + 1
 
 
+@pytest.mark.main_lane  # for CI's time; the 0.12.2 lane trains, resumes and refuses recipes
 def test_a_hydra_checkpoint_works_in_generate_interactive_hub_export_and_restore_file(
         data_bin, runs, tmp_path):
     """All under torch >= 2.6's weights_only default, without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD."""

@@ -88,9 +88,10 @@ def resume_gap(data_bin, arch, schedule, tmp_path):
     return max((whole[k] - resumed[k]).abs().max().item() for k in whole)
 
 
-# (fairseq's inverse_sqrt in the main lane only: the fairseq 0.12.2 lane resumes the plugin's Noam)
-@pytest.mark.parametrize("schedule", [pytest.param("inverse_sqrt", marks=pytest.mark.main_lane),
-                                      "noam"])
+# (main lane only, for CI's time: the fairseq 0.12.2 lane resumes in test_cli's --restore-file
+# and test_hydra's resumed run)
+@pytest.mark.main_lane
+@pytest.mark.parametrize("schedule", ["inverse_sqrt", "noam"])
 def test_resumed_training_continues_the_run_as_closely_as_fairseqs_transformer(
         data_bin, tmp_path, schedule):
     ours = resume_gap(data_bin, "annotated_transformer", schedule, tmp_path)
