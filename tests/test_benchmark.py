@@ -287,13 +287,106 @@ def test_steps_in_process_read_each_models_step_peak_around_one_training_step(
             assert table in out, out[-3000:]
 
 
+def counted_train_steps(monkeypatch):
+    """Each fairseq Trainer.train_step from now on, as (the model's class, whether torch's cuDNN
+    attention was allowed during it); steps_in_process's memory readings left out (their steps
+    are not the timed ones)."""
+    from fairseq.trainer import Trainer
+
+    calls, train_step = [], Trainer.train_step
+
+    def recorded(self, samples, *args, **kwargs):
+        calls.append((type(self.model).__name__, torch.backends.cuda.cudnn_sdp_enabled()))
+        return train_step(self, samples, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", recorded)
+    monkeypatch.setattr(steps, "print_memory", lambda *args: None)
+    monkeypatch.setattr(steps, "print_live_at_peak", lambda *args: None)
+    return calls
+
+
+def test_a_max_tokens_sweep_warms_each_model_up_on_an_epoch_and_tables_each_size(
+        tmp_path, monkeypatch, capsys):
+    """--max-tokens A,B with --steps-in-process N: each size's steps in turn, then a table whose
+    figures are the per-size lines'; --warm-up-epoch: every model first trains on a whole epoch
+    of that size's batches, untimed; more steps than an epoch has batches go on into the next."""
+    from fairseq_plugin.benchmark import main
+
+    data_bin = reverse_data_bin(tmp_path / "data", "--train", 300, "--valid", 20, "--test", 10)
+    epoch = {}
+    for size in (512, 2048):
+        trainer = steps.fairseq_trainer(common.training_flags(
+            str(data_bin), common.OURS, "tiny", size, main.plugin_dir()))
+        epoch[size] = len(trainer.get_train_iterator(epoch=1))
+    assert epoch[512] > epoch[2048] >= 2
+    calls = counted_train_steps(monkeypatch)
+    n = epoch[2048] + 1  # at 2048, into the second epoch
+    main.main(["--data-bin", str(data_bin), "--preset", "tiny", "--max-tokens", "512,2048",
+               "--steps-in-process", str(n), "--warm-up-epoch"])
+    out = capsys.readouterr().out
+    models = [m for m, _ in calls]
+    ours, theirs = "AnnotatedTransformerModel", "TransformerModel"
+    assert models.count(ours) == models.count(theirs) == epoch[512] + epoch[2048] + 2 * n
+    # per size, its lines; the table's cells are their figures
+    words = {name: [float(w) for w in re.findall(
+        rf"\n{name}: (\d+) target words/s over the timed steps, [\d.]+ TFLOP/s, [\d.]+% MFU",
+        out)] for name in (common.OURS, common.THEIRS)}
+    assert "--max-tokens 512: " in out and "--max-tokens 2048: " in out
+    rows = re.findall(r"\n\| (\d+) \| (\d+) \(([\d.]+)%\) \| (\d+) \(([\d.]+)%\) \| "
+                      r"([\d.]+)x \|", out)
+    assert [int(r[0]) for r in rows] == [512, 2048], out[-3000:]
+    ratios = [float(m) for m in re.findall(r"median of the per-step ratios ([\d.]+)x", out)]
+    for i, row in enumerate(rows):
+        assert abs(float(row[1]) - round(words[common.OURS][i])) <= 1
+        assert abs(float(row[3]) - round(words[common.THEIRS][i])) <= 1
+        assert abs(float(row[5]) - ratios[i]) <= 0.006
+    assert f"| --max-tokens ({n} steps each, alternated) |" in out
+
+
+def test_in_process_the_transformer_without_cudnn_runs_its_steps_with_it_off_and_only_those(
+        tmp_path, monkeypatch):
+    """--also-transformer-without-cudnn in --steps-in-process: a second fairseq transformer whose
+    every step (warm-up and timed) runs with torch's cuDNN attention backend off, the user's
+    setting back after each; the other models' steps see the user's setting."""
+    data_bin = reverse_data_bin(tmp_path / "data", "--train", 300, "--valid", 20, "--test", 10)
+    calls = counted_train_steps(monkeypatch)
+    user = torch.backends.cuda.cudnn_sdp_enabled()
+    seconds, _ = steps.steps_in_process(str(data_bin), "tiny", 1024, 2,
+                                        transformer_without_cudnn=True)
+    assert set(seconds) == {common.OURS, common.THEIRS, common.THEIRS_NO_CUDNN}
+    from collections import Counter
+    assert Counter(calls) == {("AnnotatedTransformerModel", user): 5,
+                              ("TransformerModel", user): 5, ("TransformerModel", False): 5}
+    assert user  # torch's default: allowed, so the two transformers' steps differ above
+    assert torch.backends.cuda.cudnn_sdp_enabled() is user
+
+
+def test_the_step_ratios_take_the_faster_of_fairseqs_two_runs_of_each_batch(capsys):
+    """With the transformer also run without cuDNN attention, each step's baseline is the
+    faster of its two runs of that batch, in all and per step; the sweep table says the same."""
+    from fairseq_plugin.benchmark import main
+
+    seconds = {common.OURS: [1.0, 2.0], common.THEIRS: [2.0, 2.0],
+               common.THEIRS_NO_CUDNN: [3.0, 1.0]}
+    flops = {"peak": 1e12, common.OURS: 1e9, common.THEIRS: 1e9}
+    figures = main.print_step_times(seconds, 300, flops)
+    out = capsys.readouterr().out
+    # baseline [2, 1]: in all 3 s / 3 s, per step 2/1 and 1/2
+    assert "transformer / annotated_transformer: 1.000x in all (3.000 s / 3.000 s), median of " \
+           "the per-step ratios 1.250x" in out
+    assert figures[common.OURS] == (100.0, 1.25)
+    main.print_sweep_table({8192: figures}, flops, 2)
+    out = capsys.readouterr().out
+    assert ("| 8192 | 100 (10.0%) | 75 (7.5%) | 75 (7.5%) | 1.25x |") in out, out
+
+
 def test_step_options_without_steps_in_process_are_one_error_line():
     proc = subprocess.run([*BENCHMARK, "--without-packing"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1] == ("annotated-benchmark: error: --profile-steps, "
-                                            "--without-packing and --gpu-paths-on-cpu go with "
-                                            "--steps-in-process N")
+                                            "--without-packing, --gpu-paths-on-cpu and "
+                                            "--warm-up-epoch go with --steps-in-process N")
 
 
 @pytest.mark.skipif(FAIRSEQ_BREAKS_POST_LN, reason="fairseq 0.12.2's own transformer (post-LN) "
@@ -392,6 +485,10 @@ def test_decoding_part_of_a_test_set_takes_its_first_sentences(tmp_path, dataset
     (["--also-transformer-without-cudnn"], "--also-transformer-without-cudnn: for a GPU run with "
                                            "cuDNN attention allowed; add --device cuda, leave "
                                            "out --no-cudnn-attention"),
+    (["--max-tokens", "8192,x"], "argument --max-tokens: '8192,x': give whole numbers of at "
+                                 "least 1, separated by commas, e.g. 8192,16384"),
+    (["--max-tokens", "8192,16384"], "--max-tokens 8192,16384: several sizes (a sweep) go with "
+                                     "--steps-in-process N; give one size for the rounds"),
 ])
 def test_bad_benchmark_options_are_one_error_line_before_any_work(args, message, tmp_path,
                                                                   capsys):

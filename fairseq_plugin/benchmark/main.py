@@ -117,6 +117,15 @@ def lengths_list(text: str):
             f"{text!r}: give target lengths of at least 1, separated by commas, e.g. 25,50,100")
 
 
+def tokens_list(text: str):
+    """An argparse type: one batch size, or several separated by commas, e.g. 8192,16384."""
+    try:
+        return [positive_int(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give whole numbers of at least 1, separated by commas, e.g. 8192,16384")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="annotated-benchmark",
                                 description=__doc__.split("\n\n")[0],
@@ -135,7 +144,10 @@ def main(argv=None):
                         "first N)")
     p.add_argument("--vocab", type=positive_int, default=6000)
     p.add_argument("--train-updates", type=positive_int, default=25)
-    p.add_argument("--max-tokens", type=positive_int, default=4096)
+    p.add_argument("--max-tokens", type=tokens_list, default="4096",
+                   help="tokens per batch; with --steps-in-process several, comma-separated "
+                        "(e.g. 8192,16384,32768,65536): a sweep, each size's steps in turn, "
+                        "then a table of each model's speed and MFU by size")
     p.add_argument("--gen-length", type=positive_int, default=30,
                    help="target tokens per hypothesis")
     p.add_argument("--cache-lengths", type=lengths_list, default="25,50,100,200")
@@ -163,6 +175,10 @@ def main(argv=None):
     p.add_argument("--profile-steps", type=positive_int, metavar="K",
                    help="with --steps-in-process: also torch.profiler's operators for K steps "
                         "of each, alternated, and the time and FLOPs of their matrix products")
+    p.add_argument("--warm-up-epoch", action="store_true",
+                   help="with --steps-in-process: each model first trains on a whole epoch's "
+                        "batches, untimed (every batch shape seen once, as after a long run's "
+                        "first epoch), instead of on 3")
     p.add_argument("--without-packing", action="store_true",
                    help="with --steps-in-process: also time annotated_transformer computing the "
                         "padding (packing off), alternated with the others")
@@ -198,13 +214,17 @@ def main(argv=None):
                         "GPUs by name, or on the CPU its measured matrix-product rate)")
     p.add_argument("--ctranslate2-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if ((args.profile_steps or args.without_packing or args.gpu_paths_on_cpu)
-            and args.steps_in_process is None):
-        p.error("--profile-steps, --without-packing and --gpu-paths-on-cpu go with "
-                "--steps-in-process N")
+    if ((args.profile_steps or args.without_packing or args.gpu_paths_on_cpu
+         or args.warm_up_epoch) and args.steps_in_process is None):
+        p.error("--profile-steps, --without-packing, --gpu-paths-on-cpu and --warm-up-epoch go "
+                "with --steps-in-process N")
     if args.profile_steps and args.profile_steps > args.steps_in_process:
         p.error(f"--profile-steps {args.profile_steps}: at most the {args.steps_in_process} steps "
                 f"of --steps-in-process")
+    if len(args.max_tokens) > 1 and args.steps_in_process is None:
+        p.error(f"--max-tokens {','.join(map(str, args.max_tokens))}: several sizes (a sweep) go "
+                f"with --steps-in-process N; give one size for the rounds")
+    args.sweep, args.max_tokens = args.max_tokens, args.max_tokens[0]
     if args.skip_generation and args.decoding_in_process:
         p.error("--skip-generation --decoding-in-process: the second decodes; leave out one")
     if args.ctranslate2_worker:
@@ -280,11 +300,21 @@ def run(args, device, work):
           flush=True)
     flops = model_flops(data_bin, args.preset, args.max_tokens, device, args.peak_tflops)
     if args.steps_in_process:
-        seconds, tokens = steps_in_process(
-            data_bin, args.preset, args.max_tokens, args.steps_in_process, args.profile_steps,
-            device, args.without_packing, gpu_paths=args.gpu_paths_on_cpu,
-            compiled=args.also_compiled)
-        print_step_times(seconds, tokens, flops)
+        sweep = {}
+        for max_tokens in args.sweep:
+            if len(args.sweep) > 1:
+                src_pad, tgt_pad, _ = batch_padding(data_bin, max_tokens)
+                print(f"\n--max-tokens {max_tokens}: {src_pad:.1%} source and {tgt_pad:.1%} "
+                      f"target positions are padding", flush=True)
+            seconds, tokens = steps_in_process(
+                data_bin, args.preset, max_tokens, args.steps_in_process, args.profile_steps,
+                device, args.without_packing, gpu_paths=args.gpu_paths_on_cpu,
+                compiled=args.also_compiled, warm_up_epoch=args.warm_up_epoch,
+                transformer_without_cudnn=args.also_transformer_without_cudnn)
+            sweep[max_tokens] = print_step_times(seconds, tokens, flops)
+            release_memory(device)
+        if len(args.sweep) > 1:
+            print_sweep_table(sweep, flops, args.steps_in_process)
         return
     results, ct2, complete = rounds(args, device, work, data_bin, gen_bin, n_decoded, flops)
     print_ratio_table(results, ct2, complete, flops)
@@ -325,11 +355,19 @@ def model_flops(data_bin, preset, max_tokens, device, peak_tflops=None):
 
 def print_step_times(seconds, tokens, flops):
     """--steps-in-process's lines: each model's median step and its ratio to fairseq's, and
-    each model's FLOP/s over the timed steps."""
+    each model's FLOP/s over the timed steps. Returns {name: (target words/s over the timed
+    steps, median of the per-step ratios fairseq's step / this one's)}. With THEIRS_NO_CUDNN
+    among them, fairseq's step in the ratios is the faster of its two runs of each batch."""
     ours, theirs = seconds[OURS], seconds[THEIRS]
     print(f"\n{len(ours)} training steps each, alternated: {OURS} median "
           f"{1000 * statistics.median(ours):.0f} ms, {THEIRS} median "
-          f"{1000 * statistics.median(theirs):.0f} ms; {step_ratio_line(OURS, ours, theirs)}")
+          f"{1000 * statistics.median(theirs):.0f} ms")
+    if THEIRS_NO_CUDNN in seconds:
+        theirs = [min(a, b) for a, b in zip(theirs, seconds[THEIRS_NO_CUDNN])]
+        print(f"{THEIRS_NO_CUDNN}: median {1000 * statistics.median(seconds[THEIRS_NO_CUDNN]):.0f}"
+              f" ms; in the ratios, {THEIRS}'s step is the faster of its two runs of each batch "
+              f"(median {1000 * statistics.median(theirs):.0f} ms)")
+    print(step_ratio_line(OURS, ours, theirs))
     for name in (NO_PACKING, COMPILED):
         if name in seconds:
             print(f"{name}: median {1000 * statistics.median(seconds[name]):.0f} ms; "
@@ -337,7 +375,42 @@ def print_step_times(seconds, tokens, flops):
     for name, times in seconds.items():
         arch = arch_of(name)
         print(f"{name}: {tokens / sum(times):.0f} target words/s over the timed steps, "
-              + mfu.utilisation(flops[arch], tokens / sum(times), flops["peak"]))
+              + mfu.utilisation(flops[arch], tokens / sum(times), flops["peak"]), flush=True)
+    return {name: (tokens / sum(times), statistics.median(b / a for a, b in zip(times, theirs)))
+            for name, times in seconds.items()}
+
+
+def release_memory(device):
+    """Between the sizes of a sweep: the last size's trainers are gone; on a GPU, their cached
+    blocks go back too, so that each size's peak is its own."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.kind == "cuda":
+        torch.cuda.empty_cache()
+
+
+def print_sweep_table(sweep, flops, steps):
+    """The --max-tokens sweep: by batch size, each model's target words/s over its timed steps,
+    its MFU where the peak is known, and its median per-step ratio against fairseq's
+    transformer (the faster of its runs with and without cuDNN attention, where both ran).
+    ``sweep``: {max_tokens: print_step_times's dict}."""
+    names = list(next(iter(sweep.values())))
+    ours = [name for name in names if arch_of(name) != THEIRS]
+    print(f"\n| --max-tokens ({steps} steps each, alternated) | "
+          + " | ".join(f"{name} words/s" + (" (MFU)" if flops["peak"] else "") for name in names)
+          + " | " + " | ".join(f"{name} / {THEIRS}" for name in ours) + " |")
+    print("|---" * (1 + len(names) + len(ours)) + "|")
+    for max_tokens, figures in sweep.items():
+        cells = []
+        for name in names:
+            words = figures[name][0]
+            share = flops[arch_of(name)] * words / flops["peak"] if flops["peak"] else None
+            cells.append(f"{words:.0f}" + (f" ({share:.1%})" if share is not None else ""))
+        cells += [f"{figures[name][1]:.2f}x" for name in names if arch_of(name) != THEIRS]
+        print(f"| {max_tokens} | " + " | ".join(cells) + " |")
 
 
 def contestants_of(args):

@@ -9,8 +9,8 @@ import time
 from fairseq_plugin.cli.common import plugin_dir
 
 from . import cuda_peak
-from .common import (COMPILED, CPU, NO_PACKING, OURS, THEIRS, alternated, fairseq_setup,
-                     training_flags)
+from .common import (COMPILED, CPU, NO_PACKING, OURS, THEIRS, THEIRS_NO_CUDNN, alternated,
+                     fairseq_setup, training_flags)
 from .memory import print_live_at_peak, print_memory
 from .profiling import print_profiles
 
@@ -26,7 +26,8 @@ def fairseq_trainer(flags):
 
 
 def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, device=CPU,
-                     without_packing=False, memory=None, gpu_paths=False, compiled=False):
+                     without_packing=False, memory=None, gpu_paths=False, compiled=False,
+                     warm_up_epoch=False, transformer_without_cudnn=False):
     """Training steps of both models in one process on the same batches, alternated step by step
     (A B, B A, ...), so that the machine's drift falls on both alike. Returns ({name: [seconds of
     each step]}, the target words of those steps); with ``profile_steps``, then profiles that
@@ -35,7 +36,11 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
     ``compiled`` annotated_transformer with --compile-layers (COMPILED). ``memory``
     reads what one step holds at its peak (step_peak_mib; None: cuda_peak.PeakCounter on a GPU,
     storage_peak.StoragePeakCounter on the CPU where torch allows it).
-    ``gpu_paths``: our models take a GPU's paths on the CPU (gpu_paths_on_cpu)."""
+    ``gpu_paths``: our models take a GPU's paths on the CPU (gpu_paths_on_cpu).
+    ``warm_up_epoch``: every model first trains on a whole epoch's batches, untimed, so that each
+    batch shape has been seen (cuDNN's attention plans, compiled graphs: the steady state of a
+    long run); else on 3 batches. ``transformer_without_cudnn`` adds fairseq's transformer with
+    torch's cuDNN attention backend off around its steps (THEIRS_NO_CUDNN)."""
     flags = {arch: training_flags(data_bin, arch, preset, max_tokens, plugin_dir(), device)
              for arch in (OURS, THEIRS)}
     trainers = {arch: fairseq_trainer(flags[arch]) for arch in (OURS, THEIRS)}
@@ -45,8 +50,32 @@ def steps_in_process(data_bin, preset, max_tokens, steps, profile_steps=0, devic
         model.encoder.skip_padding = model.decoder.skip_padding = False
     if compiled:
         trainers[COMPILED] = fairseq_trainer(flags[OURS] + ["--compile-layers"])
+    if transformer_without_cudnn:
+        trainers[THEIRS_NO_CUDNN] = WithoutCudnnAttention(fairseq_trainer(flags[THEIRS]))
+    warm_up = len(trainers[OURS].get_train_iterator(epoch=1)) if warm_up_epoch else 3
     with gpu_paths_on_cpu(trainers) if gpu_paths else contextlib.nullcontext():
-        return alternated_steps(trainers, max_tokens, steps, profile_steps, device, memory)
+        return alternated_steps(trainers, steps, profile_steps, device, memory, warm_up)
+
+
+class WithoutCudnnAttention:
+    """A fairseq Trainer whose training steps run with torch's cuDNN attention backend off (it
+    builds a plan for each new shape; the other backends do not), switched back after each."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def __getattr__(self, name):  # model, task, ... as the trainer's
+        return getattr(self.trainer, name)
+
+    def train_step(self, samples):
+        import torch
+
+        enabled = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        try:
+            return self.trainer.train_step(samples)
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(enabled)
 
 
 
@@ -73,23 +102,31 @@ def gpu_paths_on_cpu(trainers):
         attention.fused_kernel_zeroes_empty_rows = zeroes
 
 
-def alternated_steps(trainers, max_tokens, steps, profile_steps, device, memory):
+def epochs_of_batches(trainer):
+    """The training set's batches, shuffled, epoch after epoch (more steps than one epoch has
+    batches: large --max-tokens on a small corpus)."""
+    for epoch in itertools.count(1):
+        yield from trainer.get_train_iterator(epoch=epoch).next_epoch_itr(shuffle=True)
+
+
+def alternated_steps(trainers, steps, profile_steps, device, memory, warm_up=3):
     """steps_in_process's work, once its trainers are built."""
     import torch
 
-    batches = trainers[OURS].get_train_iterator(epoch=1).next_epoch_itr(shuffle=True)
-    samples = list(itertools.islice(batches, 3 + steps))
-    if len(samples) < 3 + steps:
-        raise SystemExit(f"benchmark: error: --steps-in-process {steps}: the training set has "
-                         f"{len(samples)} batches of --max-tokens {max_tokens} (3 of them for "
-                         f"warm-up); ask for at most {len(samples) - 3} steps")
-    for sample in samples[:3]:  # warm-up
-        for trainer in trainers.values():
-            trainer.train_step([sample])
-    if device.kind == "cuda":
-        torch.cuda.synchronize()  # none of the warm-up in the first timed step
+    samples = list(itertools.islice(epochs_of_batches(trainers[OURS]), warm_up + steps))
+    warm_up_seconds = {name: 0.0 for name in trainers}
+    for i, sample in enumerate(samples[:warm_up]):  # not in the step times
+        for name in alternated(list(trainers), i):
+            start = time.perf_counter()
+            trainers[name].train_step([sample])
+            if device.kind == "cuda":
+                torch.cuda.synchronize()  # (none of it in the next one's, nor in a timed step)
+            warm_up_seconds[name] += time.perf_counter() - start
+    print(f"\nwarm-up, {warm_up} batches each (compiling, cuDNN's plans for new shapes): "
+          + ", ".join(f"{name} {t:.1f} s" for name, t in warm_up_seconds.items()), flush=True)
+    samples = samples[warm_up:]
     seconds = {name: [] for name in trainers}
-    for i, sample in enumerate(samples[3:]):
+    for i, sample in enumerate(samples):
         for name in alternated(list(trainers), i):
             start = time.perf_counter()
             trainers[name].train_step([sample])
@@ -97,12 +134,12 @@ def alternated_steps(trainers, max_tokens, steps, profile_steps, device, memory)
                 torch.cuda.synchronize()
             seconds[name].append(time.perf_counter() - start)
     if profile_steps:
-        print_profiles(trainers, samples[3:3 + profile_steps], device)
+        print_profiles(trainers, samples[:profile_steps], device)
     # the timed batch with the most target padding (where packing is on, if anywhere) and the
     # one with the most positions (where a run's peak memory is likely)
     pad = trainers[OURS].task.target_dictionary.pad()
-    padding = [float(s["target"].eq(pad).float().mean()) for s in samples[3:]]
-    positions = [s["target"].numel() + s["net_input"]["src_tokens"].numel() for s in samples[3:]]
+    padding = [float(s["target"].eq(pad).float().mean()) for s in samples]
+    positions = [s["target"].numel() + s["net_input"]["src_tokens"].numel() for s in samples]
     if memory is None and device.kind == "cuda":
         memory = cuda_peak.PeakCounter()
     elif memory is None:
@@ -114,10 +151,10 @@ def alternated_steps(trainers, max_tokens, steps, profile_steps, device, memory)
     batches = {}
     for label, figures in (("target padding", padding), ("positions", positions)):
         most = max(range(len(figures)), key=figures.__getitem__)
-        batches[f"the timed batch with the most {label}"] = samples[3 + most]
-        print_memory(trainers, samples[3 + most], f"the timed batch with the most {label} "
+        batches[f"the timed batch with the most {label}"] = samples[most]
+        print_memory(trainers, samples[most], f"the timed batch with the most {label} "
                      f"({padding[most]:.1%} target padding, {positions[most]} positions)", memory)
     if memory is not None:  # last: it records every allocation (slower steps)
         for batch, sample in batches.items():
             print_live_at_peak(trainers, sample, batch, memory)
-    return seconds, sum(int(s["ntokens"]) for s in samples[3:])
+    return seconds, sum(int(s["ntokens"]) for s in samples)
