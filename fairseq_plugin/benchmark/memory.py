@@ -68,7 +68,11 @@ def kept_for_backward(trainer, sample) -> dict:
         storage = t.untyped_storage()
         storages[storage.data_ptr()] = (storage.nbytes(),
                                         f"{maker} {str(t.dtype).replace('torch.', '')}")
-        return t
+        # kept (so that no later tensor reuses its storage's address while counting), but
+        # detached: a node keeping its own output, with that output's grad_fn the node, is a
+        # cycle through autograd's C++ that Python's gc cannot free (the whole forward's
+        # activations would stay allocated after it)
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         trainer.criterion(trainer.model, sample)
