@@ -90,6 +90,11 @@ def test_fused_and_written_out_attention_agree_on_cuda(dtype, causal, backend):
     assert torch.equal(outs[FUSED][2], bias) and torch.equal(outs[EXPLICIT][2], bias)
 
 
+# incremental decoding against a full pass: about three times the largest difference measured
+# (an H200, torch 2.11: fp32 8.3e-07, fp16 0; the CPU, torch 2.13: 9.5e-07 and 2.9e-03)
+INCREMENTAL_TOLERANCE = {torch.float32: 3e-6, torch.float16: 1e-2}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_incremental_decoding_equals_a_full_pass_on_cuda(dtype):
     d = make_dictionary()
@@ -106,7 +111,7 @@ def test_incremental_decoding_equals_a_full_pass_on_cuda(dtype):
                                        incremental_state=state)[0])
     diff = (torch.cat(steps, 1) - full).abs().max()
     print(f"incremental vs full pass, {DEVICE} {dtype}: max |diff| {float(diff):.2e}")  # -rP
-    assert diff <= HALF_TOLERANCE[dtype] * 10
+    assert diff <= INCREMENTAL_TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -36,7 +36,14 @@ or on the CPU the matrix-product rate measured in this process).
 --steps-in-process N measures training alone, with less noise: both models' fairseq Trainers in
 this one process take the same N batches, alternated step by step (the machine's drift falls on
 both alike); --profile-steps K adds torch.profiler's operators of K steps of each, alternated
-too, with the time and FLOPs of their matrix products. It also prints what each model's training
+too, with the time and FLOPs of their matrix products. Several --max-tokens sizes
+(8192,16384,...) sweep the batch size, size after size, and end in a table of each model's
+words/s, MFU and ratio by size: where each stops being bound by the host. --warm-up-epoch
+first trains every model on a whole epoch's batches, untimed (every shape seen once: cuDNN's
+plans and compiled graphs made, as in a long run), instead of on 3; the timed steps go on into
+the next epochs where they need more batches. --also-transformer-without-cudnn adds fairseq's
+transformer with cuDNN attention off around its steps, and the ratios take the faster of its
+two runs of each batch. It also prints what each model's training
 forward keeps for backward (in all, and by the operators that made it where the models differ
 most), what one training step holds at its peak beyond what was allocated before it and what is
 live then by the line that allocated it (on a GPU from torch.cuda's allocator, cuda_peak.py;
