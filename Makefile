@@ -106,7 +106,7 @@ test-fairseq-0.12.2:
 	  echo "SKIPPED the fairseq 0.12.2 lane: no python3.10 on PATH or in ~/.pyenv (PYTHON310=...)"; \
 	else \
 	  $(MAKE) --no-print-directory install $(LANE310) && \
-	  $(VENV310)/bin/python -m pytest -q -rs -m "not main_lane" $(TESTS_MODEL) && \
+	  ANNOTATED_REVERSE_EPOCHS=10 $(VENV310)/bin/python -m pytest -q -rs -m "not main_lane" $(TESTS_MODEL) && \
 	  $(VENV310)/bin/python -m pytest -q -rs -m "not main_lane" $(TESTS_PIPELINE); fi
 
 # the tests whose behaviour depends on the device, on a CUDA GPU (skipped, with the reason, without)

@@ -790,10 +790,9 @@ def test_a_command_that_finished_keeps_its_figures_through_an_abort_in_shutdown_
     assert runs.ABORTED_AFTER_FINISHING == ["finished-then-aborted"]
 
 
-@pytest.mark.main_lane  # for CI's time; the 0.12.2 lane keeps in-process steps and MFU
 def test_skip_generation_measures_training_alone_and_decodes_nothing(tmp_path):
-    """Training's round lines and rows only, nothing decoded (it would run on fairseq 0.12.2
-    too, whose own transformer cannot decode padded batches; main lane only, for CI's time)."""
+    """Training's round lines and rows only, nothing decoded (so it runs on fairseq 0.12.2 too,
+    whose own transformer cannot decode padded batches: there the benchmark's only whole run)."""
     data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 50, "--test", 16)
     out = benchmark("--data-bin", str(data_bin), "--rounds", "1", "--train-updates", "20",
                     "--skip-generation", work=tmp_path / "work")
