@@ -297,6 +297,12 @@ def test_steps_in_process_read_each_models_step_peak_around_one_training_step(
             assert table in out, out[-3000:]
 
 
+def cudnn_attention_allowed():
+    """torch's cuDNN attention switch; None where this torch has no such backend (< 2.2)."""
+    return (torch.backends.cuda.cudnn_sdp_enabled()
+            if hasattr(torch.backends.cuda, "cudnn_sdp_enabled") else None)
+
+
 def counted_train_steps(monkeypatch):
     """Each fairseq Trainer.train_step from now on, as (the model's class, whether torch's cuDNN
     attention was allowed during it); steps_in_process's memory readings left out (their steps
@@ -306,7 +312,7 @@ def counted_train_steps(monkeypatch):
     calls, train_step = [], Trainer.train_step
 
     def recorded(self, samples, *args, **kwargs):
-        calls.append((type(self.model).__name__, torch.backends.cuda.cudnn_sdp_enabled()))
+        calls.append((type(self.model).__name__, cudnn_attention_allowed()))
         return train_step(self, samples, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "train_step", recorded)
@@ -357,14 +363,20 @@ def test_in_process_the_transformer_without_cudnn_runs_its_steps_with_it_off_and
         tmp_path, monkeypatch):
     """--also-transformer-without-cudnn in --steps-in-process: a second fairseq transformer whose
     every step (warm-up and timed) runs with torch's cuDNN attention backend off, the user's
-    setting back after each; the other models' steps see the user's setting."""
+    setting back after each; the other models' steps see the user's setting. A torch without
+    that backend (< 2.2) has nothing to switch: the steps run as they are."""
+    from collections import Counter
+
     data_bin = reverse_data_bin(tmp_path / "data", "--train", 300, "--valid", 20, "--test", 10)
     calls = counted_train_steps(monkeypatch)
-    user = torch.backends.cuda.cudnn_sdp_enabled()
+    user = cudnn_attention_allowed()
     seconds, _ = steps.steps_in_process(str(data_bin), "tiny", 1024, 2,
                                         transformer_without_cudnn=True)
     assert set(seconds) == {common.OURS, common.THEIRS, common.THEIRS_NO_CUDNN}
-    from collections import Counter
+    if user is None:
+        assert Counter(calls) == {("AnnotatedTransformerModel", None): 5,
+                                  ("TransformerModel", None): 10}
+        return
     assert Counter(calls) == {("AnnotatedTransformerModel", user): 5,
                               ("TransformerModel", user): 5, ("TransformerModel", False): 5}
     assert user  # torch's default: allowed, so the two transformers' steps differ above

@@ -70,6 +70,8 @@ class WithoutCudnnAttention:
     def train_step(self, samples):
         import torch
 
+        if not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):  # torch < 2.2: no such backend
+            return self.trainer.train_step(samples)
         enabled = torch.backends.cuda.cudnn_sdp_enabled()
         torch.backends.cuda.enable_cudnn_sdp(False)
         try:
