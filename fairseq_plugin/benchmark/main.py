@@ -115,22 +115,20 @@ def positive_int(text: str) -> int:
     return value
 
 
-def lengths_list(text: str):
-    """An argparse type: comma-separated target lengths, e.g. 25,50,100."""
-    try:
-        return [positive_int(x) for x in text.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give target lengths of at least 1, separated by commas, e.g. 25,50,100")
+def whole_numbers(example: str, what: str):
+    """An argparse type: whole numbers of at least 1 separated by commas (``what`` says what they
+    are in the error line, ``example`` gives some)."""
+    def parse(text: str):
+        try:
+            return [positive_int(x) for x in text.split(",")]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give {what} of at least 1, separated by commas, e.g. {example}")
+    return parse
 
 
-def tokens_list(text: str):
-    """An argparse type: one batch size, or several separated by commas, e.g. 8192,16384."""
-    try:
-        return [positive_int(x) for x in text.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give whole numbers of at least 1, separated by commas, e.g. 8192,16384")
+lengths_list = whole_numbers("25,50,100", "target lengths")  # --cache-lengths
+tokens_list = whole_numbers("8192,16384", "whole numbers")  # --max-tokens: one size, or a sweep
 
 
 def main(argv=None):

@@ -70,14 +70,12 @@ class WithoutCudnnAttention:
     def train_step(self, samples):
         import torch
 
-        if not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):  # torch < 2.2: no such backend
+        from fairseq_plugin.modules.attention import NO_CUDNN, fused_backends
+
+        # the model's own switch, as on a CUDA device (a torch without cuDNN attention, < 2.2,
+        # has nothing to switch)
+        with fused_backends(NO_CUDNN, torch.device("cuda")):
             return self.trainer.train_step(samples)
-        enabled = torch.backends.cuda.cudnn_sdp_enabled()
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        try:
-            return self.trainer.train_step(samples)
-        finally:
-            torch.backends.cuda.enable_cudnn_sdp(enabled)
 
 
 
