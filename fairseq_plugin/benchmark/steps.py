@@ -109,30 +109,32 @@ def epochs_of_batches(trainer):
         yield from trainer.get_train_iterator(epoch=epoch).next_epoch_itr(shuffle=True)
 
 
-def alternated_steps(trainers, steps, profile_steps, device, memory, warm_up=3):
-    """steps_in_process's work, once its trainers are built."""
+def timed_step(trainer, sample, device) -> float:
+    """Seconds of one training step of ``sample``, on a GPU until its kernels have run (none of
+    them left to the next step's time)."""
     import torch
 
+    start = time.perf_counter()
+    trainer.train_step([sample])
+    if device.kind == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def alternated_steps(trainers, steps, profile_steps, device, memory, warm_up=3):
+    """steps_in_process's work, once its trainers are built."""
     samples = list(itertools.islice(epochs_of_batches(trainers[OURS]), warm_up + steps))
     warm_up_seconds = {name: 0.0 for name in trainers}
     for i, sample in enumerate(samples[:warm_up]):  # not in the step times
         for name in alternated(list(trainers), i):
-            start = time.perf_counter()
-            trainers[name].train_step([sample])
-            if device.kind == "cuda":
-                torch.cuda.synchronize()  # (none of it in the next one's, nor in a timed step)
-            warm_up_seconds[name] += time.perf_counter() - start
+            warm_up_seconds[name] += timed_step(trainers[name], sample, device)
     print(f"\nwarm-up, {warm_up} batches each (compiling, cuDNN's plans for new shapes): "
           + ", ".join(f"{name} {t:.1f} s" for name, t in warm_up_seconds.items()), flush=True)
     samples = samples[warm_up:]
     seconds = {name: [] for name in trainers}
     for i, sample in enumerate(samples):
         for name in alternated(list(trainers), i):
-            start = time.perf_counter()
-            trainers[name].train_step([sample])
-            if device.kind == "cuda":
-                torch.cuda.synchronize()
-            seconds[name].append(time.perf_counter() - start)
+            seconds[name].append(timed_step(trainers[name], sample, device))
     if profile_steps:
         print_profiles(trainers, samples[:profile_steps], device)
     # the timed batch with the most target padding (where packing is on, if anywhere) and the
