@@ -23,6 +23,7 @@ from fairseq_plugin.modules import dropout
 from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, NO_CUDNN, TORCH_CHOICE,
                                               MultiHeadedAttention)
 from fairseq_plugin.testing.recomputing import without_cache
+from fairseq_plugin.torch_release import TORCH_RELEASE
 from test_distributed import check_two_ranks_equal_one_rank_with_update_freq_2, ddp_data_bin
 
 # ANNOTATED_TEST_DEVICE=cpu runs the same tests on the CPU (to check the tests themselves)
@@ -213,6 +214,38 @@ def test_no_cudnn_keeps_beam_search_and_training_off_cudnn_with_the_same_results
     assert operators[NO_CUDNN] and not any("cudnn" in op for op in operators[NO_CUDNN])
     assert translations[NO_CUDNN] == translations[TORCH_CHOICE]
     assert abs(losses[NO_CUDNN] / losses[TORCH_CHOICE] - 1) <= HALF_TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch.cuda's sync debug mode needs a CUDA GPU")
+def test_a_training_step_on_cuda_waits_for_the_device_once_per_stack():
+    """What test_model's read counting shows on the CPU, seen by torch.cuda's sync debug mode:
+    each stack's forward waits for the GPU once (its one read of the batch's padding), packing's
+    index (nonzero_static, given its size) and the backward not at all."""
+    import warnings
+
+    d = make_dictionary()
+    model = build_tiny_model(d, dropout=0.1).to(DEVICE).train()
+    src, tgt = random_tokens(d, 4, 7), random_tokens(d, 4, 6)
+    src[1, :4], tgt[3, 2:] = d.pad(), d.pad()  # both stacks pack their rows
+    src, tgt = src.to(DEVICE), tgt.to(DEVICE)
+    torch.cuda.synchronize()
+    waits = []
+    for part in ("encoder", "decoder", "backward"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                if part == "encoder":
+                    encoder_out = model.encoder(src)
+                elif part == "decoder":
+                    logits = model.decoder(tgt, encoder_out)[0]
+                else:
+                    logits.float().logsumexp(-1).sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        waits.append(sum("synchroniz" in str(w.message) for w in caught))
+    expected_packing_waits = 0 if TORCH_RELEASE >= (2, 6) else 1  # nonzero_static on CUDA: 2.6
+    assert waits == [1 + expected_packing_waits, 1 + expected_packing_waits, 0]
 
 
 def test_training_on_cuda_uses_torch_dropout_and_the_fused_kernel(monkeypatch):

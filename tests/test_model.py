@@ -675,11 +675,43 @@ def test_a_batch_is_packed_only_where_enough_of_it_is_padding():
 
     padding = torch.zeros(10, 10, dtype=torch.bool)
     padding[0, :1] = True  # 1 %
-    assert packing_for(padding) is NO_PACKING
+    assert packing_for(padding, 1) is NO_PACKING
     padding[0, :2] = True  # 2 %
-    assert isinstance(packing_for(padding), RealPositions)
-    assert packing_for(padding, enabled=False) is NO_PACKING
+    packing = packing_for(padding, 2)
+    assert isinstance(packing, RealPositions)
+    assert torch.equal(packing.index, torch.arange(2, 100))
+    assert packing_for(padding, 2, enabled=False) is NO_PACKING
     assert packing_for(None) is NO_PACKING
+
+
+@pytest.mark.parametrize("left_padded", [False, True], ids=["right-padded", "left-padded"])
+def test_a_training_step_reads_the_device_once_per_stack(left_padded):
+    """Each stack reads back from the device once per training forward, what it must know of the
+    batch's padding at once (on a GPU each read waits for the work queued before it): the
+    encoder whether to mask and pack its source, the decoder how much of its target is padding
+    and whether a row is left-padded. Packing then finds the real positions without a read;
+    backward reads nothing."""
+    from fairseq_plugin.testing.operations import OperationCounter
+
+    d = make_dictionary()
+    model = build_tiny_model(d, dropout=0.0).train()
+    src, tgt = random_tokens(d, 4, 7), random_tokens(d, 4, 6)
+    src[1, :4] = d.pad()  # fairseq left-pads sources
+    if left_padded:
+        tgt[3, :2] = d.pad()
+    else:
+        tgt[3, 2:] = d.pad()
+    with OperationCounter() as encoder:
+        encoder_out = model.encoder(src)
+    with OperationCounter() as decoder:
+        logits, _ = model.decoder(tgt, encoder_out)
+    with OperationCounter() as backward:
+        logits.float().logsumexp(-1).sum().backward()
+    assert (encoder.reads, decoder.reads, backward.reads) == (1, 1, 0)
+    model.decoder.skip_padding = False  # at real tokens, the logits without packing
+    model.encoder.skip_padding = False
+    real = tgt.ne(d.pad())
+    assert torch.allclose(model(src, None, tgt)[0][real], logits[real], atol=1e-5)
 
 
 def test_packed_training_runs_the_layers_own_forward():
@@ -714,7 +746,7 @@ def test_unpacking_keeps_only_the_positions_for_backward_not_a_copy_of_the_rows(
     from fairseq_plugin.modules.packing import RealPositions
 
     real = torch.tensor([[True, True, False], [True, False, False]])
-    packing = RealPositions(real)
+    packing = RealPositions(real, 3)
     x = torch.randn(3, 5, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -760,7 +792,8 @@ def test_attention_keeps_its_input_projections_and_kernel_output_nothing_twice(m
     attn = MultiHeadedAttention(4, d, self_attention=self_attention).train()
     memory, key_mask = torch.randn(B, S, d), torch.ones(B, 1, 1, S, dtype=torch.bool)
     key_mask[0, ..., 4:], key_mask[2] = False, False  # source 2: no key at all
-    for packing, rows in ((RealPositions(real), int(real.sum())), (NO_PACKING, B * T)):
+    for packing, rows in ((RealPositions(real, int(real.sum())), int(real.sum())),
+                          (NO_PACKING, B * T)):
         query = packing.pack(torch.randn(B, T, d)).requires_grad_()
         outputs = []
         kept = kept_storages_for_backward(lambda: outputs.append(

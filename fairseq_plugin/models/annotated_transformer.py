@@ -13,7 +13,7 @@ make_model, Generator, ...): docs/code-map.md.
 import argparse
 from argparse import Namespace
 from dataclasses import field, fields, make_dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from fairseq import utils
@@ -72,12 +72,13 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         """src_tokens (B, S) -> {"encoder_out": [(B, S, d)], "encoder_padding_mask": [(B, S)],
         "src_mask": [(B, 1, 1, S)] or [] when nothing is padded, ...}"""
         padding_mask = src_tokens.eq(self.padding_idx)  # (B, S), True at padding
+        padded = int(padding_mask.sum())  # the one value read back from the device (a GPU waits)
         # the notebook's src_mask, True at real tokens, made once for the encoder and the decoder
-        mask = ~padding_mask[:, None, None, :] if padding_mask.any() else None  # (B, 1, 1, S)
+        mask = ~padding_mask[:, None, None, :] if padded else None  # (B, 1, 1, S)
         x = self.embed(src_tokens)  # (B, S, d)
         states = [x] if return_all_hiddens else []
         # in training, position-wise work on real tokens only (modules/packing.py)
-        packing = packing_for(padding_mask, self.skip_padding and self.training)
+        packing = packing_for(padding_mask, padded, self.skip_padding and self.training)
         x = packing.pack(x)
         with fused_backends(self.attention_backends, x.device):
             for layer in self.compiled or self.layers:
@@ -111,6 +112,14 @@ def source_mask(encoder_out: Dict[str, List[Tensor]]) -> Optional[Tensor]:
     """The encoder's src_mask (B, 1, 1, S), True at real tokens; None when nothing is padded."""
     mask = encoder_out["src_mask"]
     return mask[0] if mask else None
+
+
+def count_padding(padding: Tensor) -> Tuple[int, bool]:
+    """How many positions of a (B, T) padding mask (True at padding) are padding, and whether a
+    row has padding before a real token (left padding), read back from the device at once: each
+    read makes the host wait until a GPU has finished the work queued before it."""
+    padded, left = torch.stack([padding.sum(), (padding[:, :-1] & ~padding[:, 1:]).sum()]).tolist()
+    return padded, left > 0
 
 
 def average_heads(attn: Optional[Tensor], heads: Optional[int]) -> Optional[Tensor]:
@@ -185,11 +194,12 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         step_position = None  # a decoding step's: one position for all rows
         if incremental_state is None:
             tgt_padding = prev_output_tokens.eq(self.padding_idx)  # (B, T)
-            left_padded = bool((tgt_padding[:, :-1] & ~tgt_padding[:, 1:]).any())
+            padded, left_padded = count_padding(tgt_padding)  # one read back from the device
             tgt_mask = ~tgt_padding[:, None, None, :] if left_padded else None
         else:  # a decoding step: only the newest token is new, and it has nothing to hide
             step_position = self.embed.step_position(prev_output_tokens)
-            prev_output_tokens, tgt_padding, tgt_mask = prev_output_tokens[:, -1:], None, None
+            prev_output_tokens = prev_output_tokens[:, -1:]
+            tgt_padding, padded, tgt_mask = None, 0, None
             self.begin_step(incremental_state, encoder_out, prev_output_tokens.size(0))
 
         memory = encoder_out["encoder_out"][0]  # (B, S, d_memory)
@@ -200,7 +210,8 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         # in training, position-wise work on real tokens only (modules/packing.py); not when the
         # source attention is returned: packed, its rows at padding would come from zero queries
         # (uniform weights), not from the padding positions' own
-        packing = packing_for(tgt_padding, self.skip_padding and self.training and not want_attn)
+        packing = packing_for(tgt_padding, padded,
+                              self.skip_padding and self.training and not want_attn)
         x = packing.pack(x)
         attn, inner_states = None, [x]
         # a full pass may run the compiled layers; a decoding step runs them as they are

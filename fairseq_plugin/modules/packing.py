@@ -18,20 +18,34 @@ The results at real positions are the same either way (tested); only the work on
 
 from typing import Optional, Union
 
+import torch
 from torch import Tensor
+
+from ..torch_release import TORCH_RELEASE
 
 # Packing copies activations; it pays for that only where a per cent or two of the positions or more
 # are padding (fairseq batches sources by length: they have almost none)
 MIN_PADDING_SHARE = 0.02
 
+# nonzero() reads the number of positions it finds back from the device to size its output, and
+# on a GPU that read waits for everything queued before it; nonzero_static, told the number, need
+# not. Its devices: the CPU since torch 2.1, CUDA since 2.6.
+_NONZERO_STATIC_DEVICES = {"cpu", "cuda"} if TORCH_RELEASE >= (2, 6) else {"cpu"}
+
 
 class RealPositions:
     """The real (non-padding) positions of a (B, L) batch."""
 
-    def __init__(self, real: Tensor):
+    def __init__(self, real: Tensor, count: int):
+        """``count``: how many of ``real`` are True (N), read back from the device by the caller
+        together with what else it needs to know of the batch."""
         self.real = real  # (B, L), True at real tokens (its sizes, not a torch.Size: under
         # torch.compile a tensor's sizes are symbolic, a kept Size would be a constant)
-        self.index = real.reshape(-1).nonzero().squeeze(1)  # (N,) positions in B * L
+        flat = real.reshape(-1)
+        if flat.device.type in _NONZERO_STATIC_DEVICES:
+            self.index = torch.nonzero_static(flat, size=count).squeeze(1)  # (N,) in B * L
+        else:  # reads N back itself
+            self.index = flat.nonzero().squeeze(1)
 
     def pack(self, x: Tensor) -> Tensor:
         """(B, L, ...) -> (N, ...)"""
@@ -60,9 +74,10 @@ NO_PACKING = AllPositions()
 Packing = Union[RealPositions, AllPositions]  # which positions a layer's input rows are
 
 
-def packing_for(padding_mask: Optional[Tensor], enabled: bool = True) -> Packing:
+def packing_for(padding_mask: Optional[Tensor], padded: int = 0,
+                enabled: bool = True) -> Packing:
     """What the layers run on, given the (B, L) padding mask (True at padding; None: no
-    padding to skip)."""
-    if not enabled or padding_mask is None or padding_mask.float().mean() < MIN_PADDING_SHARE:
+    padding to skip) and how many of its positions are padding (read back by the caller)."""
+    if not enabled or padding_mask is None or padded < MIN_PADDING_SHARE * padding_mask.numel():
         return NO_PACKING
-    return RealPositions(~padding_mask)
+    return RealPositions(~padding_mask, padding_mask.numel() - padded)
