@@ -305,8 +305,8 @@ def cudnn_attention_allowed():
 
 def counted_train_steps(monkeypatch):
     """Each fairseq Trainer.train_step from now on, as (the model's class, whether torch's cuDNN
-    attention was allowed during it); steps_in_process's memory readings left out (their steps
-    are not the timed ones)."""
+    attention was allowed during it); steps_in_process's memory readings and operation counts
+    left out (their steps are not the timed ones)."""
     from fairseq.trainer import Trainer
 
     calls, train_step = [], Trainer.train_step
@@ -318,7 +318,49 @@ def counted_train_steps(monkeypatch):
     monkeypatch.setattr(Trainer, "train_step", recorded)
     monkeypatch.setattr(steps, "print_memory", lambda *args: None)
     monkeypatch.setattr(steps, "print_live_at_peak", lambda *args: None)
+    monkeypatch.setattr(steps, "print_launches", lambda *args: None)
     return calls
+
+
+def test_a_training_steps_launches_and_reads_are_counted_by_part_as_a_direct_count_finds_them(
+        tmp_path, capsys):
+    """launches.count_step counts the forward with the loss, the backward and the whole step of
+    fairseq's train_step: the forward as counting the criterion's call on the same batch
+    directly finds it; our model reads back one value per stack (test_model), the backward
+    none; fairseq's transformer reads more, and on this batch launches more in both. The
+    in-process steps print the counts."""
+    from fairseq_plugin.benchmark import launches, main
+    from fairseq_plugin.testing.operations import OperationCounter
+
+    data_bin = reverse_data_bin(tmp_path / "data", "--train", 300, "--valid", 20, "--test", 10)
+    counts = {}
+    for arch in (common.OURS, common.THEIRS):
+        trainer = steps.fairseq_trainer(common.training_flags(
+            str(data_bin), arch, "tiny", 1024, main.plugin_dir()))
+        batches = steps.epochs_of_batches(trainer)
+        trainer.train_step([next(batches)])  # the optimizer's state made
+        sample = next(batches)
+        counts[arch] = launches.count_step(trainer, sample)
+        trainer.model.train()
+        with OperationCounter() as direct:
+            trainer.criterion(trainer.model, trainer._prepare_sample(sample)[0])
+        forward, backward, whole = (counts[arch][part] for part in launches.PARTS)
+        assert forward[0] == direct.launches and forward[1] == direct.reads, arch
+        assert whole[0] > forward[0] + backward[0] and whole[1] >= forward[1] + backward[1]
+        assert "forward" not in vars(trainer.criterion)  # the class's methods again
+    ours, theirs = counts[common.OURS], counts[common.THEIRS]
+    assert ours["forward and loss"][1] == 2 and ours["backward"][1] == 0
+    assert ours["forward and loss"][0] < theirs["forward and loss"][0]
+    assert ours["backward"][0] < theirs["backward"][0]
+    steps.steps_in_process(str(data_bin), "tiny", 1024, 2)
+    out = capsys.readouterr().out
+    printed = re.findall(r"\n  (\S+): forward and loss (\d+) / (\d+), backward (\d+) / (\d+), "
+                         r"whole step (\d+) / (\d+)", out.split(
+                             "operations launched / values read back by one training step of "
+                             "the timed batch with the most positions:")[1])
+    assert [name for name, *_ in printed] == [common.OURS, common.THEIRS], out[-2000:]
+    ours, theirs = ([int(n) for n in row[1:]] for row in printed)
+    assert (ours[1], ours[3]) == (2, 0) and theirs[1] > 2  # (launches: packing adds some)
 
 
 def test_a_max_tokens_sweep_warms_each_model_up_on_an_epoch_and_tables_each_size(

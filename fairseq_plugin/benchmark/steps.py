@@ -1,6 +1,6 @@
 """Training steps of both models in this process, alternated step by step on the same batches:
-step times with less noise than whole commands, and (memory.py, profiling.py) what each step
-keeps and where its time goes."""
+step times with less noise than whole commands, and (memory.py, profiling.py, launches.py) what
+each step keeps, where its time goes and how many operations it launches."""
 
 import contextlib
 import itertools
@@ -11,6 +11,7 @@ from fairseq_plugin.cli.common import plugin_dir
 from . import cuda_peak
 from .common import (COMPILED, CPU, NO_PACKING, OURS, THEIRS, THEIRS_NO_CUDNN, alternated,
                      fairseq_setup, training_flags)
+from .launches import print_launches
 from .memory import print_live_at_peak, print_memory
 from .profiling import print_profiles
 
@@ -156,6 +157,8 @@ def alternated_steps(trainers, steps, profile_steps, device, memory, warm_up=3):
         batches[f"the timed batch with the most {label}"] = samples[most]
         print_memory(trainers, samples[most], f"the timed batch with the most {label} "
                      f"({padding[most]:.1%} target padding, {positions[most]} positions)", memory)
+    label = "the timed batch with the most positions"
+    print_launches(trainers, batches[label], label)
     if memory is not None:  # last: it records every allocation (slower steps)
         for batch, sample in batches.items():
             print_live_at_peak(trainers, sample, batch, memory)
