@@ -354,6 +354,8 @@ def test_a_training_steps_launches_and_reads_are_counted_by_part_as_a_direct_cou
     assert ours["backward"][0] < theirs["backward"][0]
     steps.steps_in_process(str(data_bin), "tiny", 1024, 2)
     out = capsys.readouterr().out
+    assert ("operations launched / values read back by one training step of the timed batch "
+            "with the most target padding:") in out
     printed = re.findall(r"\n  (\S+): forward and loss (\d+) / (\d+), backward (\d+) / (\d+), "
                          r"whole step (\d+) / (\d+)", out.split(
                              "operations launched / values read back by one training step of "

@@ -157,8 +157,8 @@ def alternated_steps(trainers, steps, profile_steps, device, memory, warm_up=3):
         batches[f"the timed batch with the most {label}"] = samples[most]
         print_memory(trainers, samples[most], f"the timed batch with the most {label} "
                      f"({padding[most]:.1%} target padding, {positions[most]} positions)", memory)
-    label = "the timed batch with the most positions"
-    print_launches(trainers, batches[label], label)
+    for batch, sample in batches.items():
+        print_launches(trainers, sample, batch)
     if memory is not None:  # last: it records every allocation (slower steps)
         for batch, sample in batches.items():
             print_live_at_peak(trainers, sample, batch, memory)
