@@ -681,7 +681,7 @@ def test_a_batch_is_packed_only_where_enough_of_it_is_padding():
     assert isinstance(packing, RealPositions)
     assert torch.equal(packing.index, torch.arange(2, 100))
     assert packing_for(padding, 2, enabled=False) is NO_PACKING
-    assert packing_for(None) is NO_PACKING
+    assert packing_for(None, 0) is NO_PACKING
 
 
 @pytest.mark.parametrize("left_padded", [False, True], ids=["right-padded", "left-padded"])

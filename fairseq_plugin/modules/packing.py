@@ -74,7 +74,7 @@ NO_PACKING = AllPositions()
 Packing = Union[RealPositions, AllPositions]  # which positions a layer's input rows are
 
 
-def packing_for(padding_mask: Optional[Tensor], padded: int = 0,
+def packing_for(padding_mask: Optional[Tensor], padded: int,
                 enabled: bool = True) -> Packing:
     """What the layers run on, given the (B, L) padding mask (True at padding; None: no
     padding to skip) and how many of its positions are padding (read back by the caller)."""
