@@ -52,12 +52,13 @@ class _CpuDropout(torch.autograd.Function):
         keep = keep_mask(x.shape, p, x.device)
         ctx.scale = 1.0 / (1.0 - rounded_drop_probability(p))
         ctx.save_for_backward(keep)
-        return torch.mul(x, keep).mul_(ctx.scale)
+        # where, not x * keep: a boolean factor would first be copied to a float tensor
+        return torch.where(keep, x, 0.0).mul_(ctx.scale)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (keep,) = ctx.saved_tensors
-        return torch.mul(grad, keep).mul_(ctx.scale), None
+        return torch.where(keep, grad, 0.0).mul_(ctx.scale), None
 
 
 class Dropout(nn.Module):

@@ -53,8 +53,9 @@ class RealPositions:
 
     def unpack(self, x: Tensor) -> Tensor:
         """(N, ...) -> (B, L, ...), zeros at padding. (index_put keeps only the positions for its
-        backward; index_copy would keep all of x, a second copy of every unpacked projection.)"""
-        out = x.new_zeros(self.real.numel(), *x.shape[1:]).index_put((self.index,), x)
+        backward; index_copy would keep all of x, a second copy of every unpacked projection. In
+        place into the zeros: the out-of-place index_put would copy them first.)"""
+        out = x.new_zeros(self.real.numel(), *x.shape[1:]).index_put_((self.index,), x)
         return out.view(*self.real.shape, *x.shape[1:])
 
 
