@@ -9,7 +9,9 @@ from fairseq.optim import FairseqOptimizer
 from conftest import build_tiny_model, make_dictionary, random_tokens
 from fairseq_plugin.criterions.annotated_label_smoothing import (
     AnnotatedLabelSmoothingCriterion,
+    SmoothedLossFromLogits,
     annotated_label_smoothing_loss,
+    log_softmax_of_logits,
 )
 from fairseq_plugin.errors import PluginError
 from fairseq_plugin.reference import LabelSmoothing
@@ -125,6 +127,116 @@ def test_criterion_keeps_fairseqs_report_accuracy_ignore_prefix_size_and_sentenc
     # --sentence-avg: the gradient is normalised by sentences, not tokens
     _, sample_size, _ = AnnotatedLabelSmoothingCriterion(task, True, 0.1)(model, sample)
     assert sample_size == 3
+
+
+def smoothed_batch(N=14, V=11, pad=1, dtype=torch.float64):
+    """Logits with a padding row, a row at the padding column and gold tokens at both ends."""
+    torch.manual_seed(3)
+    logits = torch.randn(N, V, dtype=dtype).mul(2)
+    target = torch.randint(2, V, (N,))
+    target[[3, 9]] = pad
+    target[0], target[1] = 0, V - 1
+    return logits, target, pad
+
+
+@pytest.mark.parametrize("eps", [0.1, 0.0])
+@pytest.mark.parametrize("weighted_nll", [False, True])
+def test_the_fused_loss_gives_the_plain_loss_and_autograds_gradient(eps, weighted_nll):
+    """SmoothedLossFromLogits: the same per-token loss and nll_loss as the closed form on
+    log_softmax(logits), and the gradient autograd finds through them, whatever weighs each
+    token's loss and nll_loss downstream (fairseq backpropagates the loss alone: nll_loss None)."""
+    logits, target, pad = smoothed_batch()
+    w_loss, w_nll = torch.rand(len(target), dtype=logits.dtype), torch.rand(len(target), dtype=logits.dtype)
+
+    def run(loss_fn):
+        x = logits.clone().requires_grad_()
+        loss, nll = loss_fn(x)
+        ((loss * w_loss).sum() + ((nll * w_nll).sum() if weighted_nll else 0)).backward()
+        return loss.detach(), nll.detach(), x.grad
+
+    plain = run(lambda x: annotated_label_smoothing_loss(x.log_softmax(-1), target, eps, pad,
+                                                         reduce=False))
+    fused = run(lambda x: SmoothedLossFromLogits.apply(x, target, eps, pad))
+    for a, b in zip(plain, fused):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert fused[2][[3, 9]].abs().max() == 0  # padding rows: no gradient
+    assert torch.autograd.gradcheck(
+        lambda x: SmoothedLossFromLogits.apply(x, target, eps, pad), logits.clone().requires_grad_())
+
+
+def test_the_fused_loss_of_bf16_logits_is_taken_in_fp32_and_its_gradient_is_bf16():
+    logits, target, pad = smoothed_batch(dtype=torch.float32)
+    half = logits.bfloat16().requires_grad_()
+    loss, nll = SmoothedLossFromLogits.apply(half, target, 0.1, pad)
+    loss.sum().backward()
+    reference = logits.bfloat16().float().requires_grad_()
+    expected, _ = annotated_label_smoothing_loss(reference.log_softmax(-1), target, 0.1, pad,
+                                                 reduce=False)
+    expected.sum().backward()
+    assert loss.dtype == torch.float32 and torch.equal(loss, expected.detach())
+    assert half.grad.dtype == torch.bfloat16
+    assert torch.allclose(half.grad.float(), reference.grad, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("plain_loss", [False, True])
+def test_the_criterion_takes_the_loss_from_the_logits_only_where_they_give_the_log_probabilities(
+        plain_loss):
+    """The fused loss for this plugin's model (also behind a DDP-like wrapper), not for a model
+    whose get_normalized_probs is its own, nor under --plain-loss; both ways the same loss and
+    the same gradient of every parameter."""
+    d = make_dictionary()
+    model = build_tiny_model(d).eval()
+    sample = training_batch(d)
+    assert log_softmax_of_logits(model) and log_softmax_of_logits(_Wrapped(_Wrapped(model)))
+
+    class OwnProbabilities(type(model)):
+        def get_normalized_probs(self, net_output, log_probs, sample=None):
+            return super().get_normalized_probs(net_output, log_probs, sample)
+
+    own = build_tiny_model(d)
+    own.__class__ = OwnProbabilities
+    assert not log_softmax_of_logits(own)
+    calls = []
+    original = SmoothedLossFromLogits.apply
+    task = Namespace(target_dictionary=d)
+
+    def step(crit):
+        model.zero_grad()
+        loss, _, log = crit(model, sample)
+        loss.backward()
+        return loss.detach(), log["nll_loss"], [p.grad.clone() for p in model.parameters()]
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    SmoothedLossFromLogits.apply = counted
+    try:
+        fused = step(AnnotatedLabelSmoothingCriterion(task, False, 0.1, plain_loss=plain_loss))
+    finally:
+        SmoothedLossFromLogits.apply = original
+    assert len(calls) == (0 if plain_loss else 1)
+    plain = step(AnnotatedLabelSmoothingCriterion(task, False, 0.1, plain_loss=True))
+    assert torch.allclose(fused[0], plain[0], rtol=1e-6) and torch.allclose(fused[1], plain[1], rtol=1e-6)
+    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(fused[2], plain[2]))
+    assert worst < 1e-5  # fp32, relative to each gradient's largest element
+
+
+class _Wrapped(nn.Module):
+    """What DDP and fairseq's ModuleProxyWrapper look like from a criterion: ``.module``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+def training_batch(d):
+    src, tgt = random_tokens(d, 3, 6), random_tokens(d, 3, 5)
+    tgt[1, 3:] = d.pad()
+    prev = torch.cat([torch.full((3, 1), d.eos()), tgt[:, :-1]], 1)
+    return {"net_input": {"src_tokens": src, "src_lengths": torch.full((3,), 6),
+                          "prev_output_tokens": prev},
+            "target": tgt, "ntokens": int(tgt.ne(d.pad()).sum())}
 
 
 class _Optimizer(FairseqOptimizer):
