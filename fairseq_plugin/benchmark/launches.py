@@ -12,7 +12,7 @@ fairseq's Adam loops over the parameters, with --fp16/--bf16 over one flat tenso
 
 import contextlib
 
-from fairseq_plugin.testing.operations import OperationCounter
+from fairseq_plugin.testing.operations import OperationCounter, around_calls
 
 from .common import COMPILED
 
@@ -22,30 +22,17 @@ PARTS = ("forward and loss", "backward", "whole step")
 def count_step(trainer, sample) -> dict:
     """{part: (launches, reads)} of one training step of ``sample`` (it updates the model)."""
     counts = {}
+    part_of = {"forward": PARTS[0], "backward": PARTS[1]}  # the criterion's, the optimizer's
 
     @contextlib.contextmanager
-    def counting(part):
+    def counting(name):
         with OperationCounter() as counter:
             yield
-        counts[part] = (counter.launches, counter.reads)
+        counts[part_of.get(name, name)] = (counter.launches, counter.reads)
 
-    criterion, optimizer = trainer.criterion, trainer.optimizer
-    forward, backward = criterion.forward, optimizer.backward
-
-    def counted_forward(*args, **kwargs):
-        with counting(PARTS[0]):
-            return forward(*args, **kwargs)
-
-    def counted_backward(*args, **kwargs):
-        with counting(PARTS[1]):
-            return backward(*args, **kwargs)
-
-    criterion.forward, optimizer.backward = counted_forward, counted_backward  # over the class's
-    try:
+    with around_calls([(trainer.criterion, "forward"), (trainer.optimizer, "backward")], counting):
         with counting(PARTS[2]):
             trainer.train_step([sample])
-    finally:
-        del criterion.forward, optimizer.backward
     return counts
 
 

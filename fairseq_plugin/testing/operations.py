@@ -62,24 +62,29 @@ class OperationCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def around_step_calls(model, around):
-    """While inside, each of the model's per-step calls (``STEP_CALLS``) runs inside the context
-    manager ``around(call name)``."""
-    originals = []
-    for part, name in STEP_CALLS:
-        module = getattr(model, part)
-        method = getattr(module, name)
+def around_calls(methods, around):
+    """While inside, each call of the methods ``[(object, method name), ...]`` runs inside the
+    context manager ``around(method name)``."""
+    wrapped_objects = []
+    for obj, name in methods:
+        method = getattr(obj, name)
 
         def wrapped(*args, _method=method, _name=name, **kwargs):
             with around(_name):
                 return _method(*args, **kwargs)
-        originals.append((module, name))
-        setattr(module, name, wrapped)  # an instance attribute, over the class's method
+        setattr(obj, name, wrapped)  # an instance attribute, over the class's method
+        wrapped_objects.append((obj, name))
     try:
         yield
     finally:
-        for module, name in originals:
-            delattr(module, name)
+        for obj, name in wrapped_objects:
+            delattr(obj, name)
+
+
+def around_step_calls(model, around):
+    """While inside, each of the model's per-step calls (``STEP_CALLS``) runs inside the context
+    manager ``around(call name)``."""
+    return around_calls([(getattr(model, part), name) for part, name in STEP_CALLS], around)
 
 
 @contextlib.contextmanager
