@@ -146,7 +146,7 @@ def test_the_fused_loss_gives_the_plain_loss_and_autograds_gradient(eps, weighte
     log_softmax(logits), and the gradient autograd finds through them, whatever weighs each
     token's loss and nll_loss downstream (fairseq backpropagates the loss alone: nll_loss None)."""
     logits, target, pad = smoothed_batch()
-    w_loss, w_nll = torch.rand(len(target), dtype=logits.dtype), torch.rand(len(target), dtype=logits.dtype)
+    w_loss, w_nll = torch.rand(2, len(target), dtype=logits.dtype)
 
     def run(loss_fn):
         x = logits.clone().requires_grad_()
@@ -160,8 +160,8 @@ def test_the_fused_loss_gives_the_plain_loss_and_autograds_gradient(eps, weighte
     for a, b in zip(plain, fused):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
     assert fused[2][[3, 9]].abs().max() == 0  # padding rows: no gradient
-    assert torch.autograd.gradcheck(
-        lambda x: SmoothedLossFromLogits.apply(x, target, eps, pad), logits.clone().requires_grad_())
+    x = logits.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: SmoothedLossFromLogits.apply(x, target, eps, pad), x)
 
 
 def test_the_fused_loss_of_bf16_logits_is_taken_in_fp32_and_its_gradient_is_bf16():
@@ -217,7 +217,8 @@ def test_the_criterion_takes_the_loss_from_the_logits_only_where_they_give_the_l
         SmoothedLossFromLogits.apply = original
     assert len(calls) == (0 if plain_loss else 1)
     plain = step(AnnotatedLabelSmoothingCriterion(task, False, 0.1, plain_loss=True))
-    assert torch.allclose(fused[0], plain[0], rtol=1e-6) and torch.allclose(fused[1], plain[1], rtol=1e-6)
+    assert torch.allclose(fused[0], plain[0], rtol=1e-6)
+    assert torch.allclose(fused[1], plain[1], rtol=1e-6)
     worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(fused[2], plain[2]))
     assert worst < 1e-5  # fp32, relative to each gradient's largest element
 

@@ -54,8 +54,8 @@ def annotated_label_smoothing_loss(lprobs: Tensor, target: Tensor, eps: float, p
     """
     V = lprobs.size(-1)
     u = eps / (V - 2)
-    if lprobs.dtype in (torch.float16, torch.bfloat16):  # summed over V: in fp32
-        lprobs = lprobs.float()
+    if lprobs.dtype in (torch.float16, torch.bfloat16):
+        lprobs = lprobs.float()  # summed over V: in fp32
     gold = lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # log p_g, (N,)
     others = lprobs.sum(-1) - gold - lprobs[:, padding_idx]  # sum over j not in {g, pad}
     entropy_term = _xlogx(1.0 - eps) + (V - 2) * _xlogx(u)  # sum_j q_j log q_j
@@ -150,8 +150,8 @@ class AnnotatedLabelSmoothingCriterion(LabelSmoothedCrossEntropyCriterion):
             return annotated_label_smoothing_loss(lprobs, target, self.eps, self.padding_idx,
                                                   reduce=reduce)
         logits, target = net_output[0], model.get_targets(sample, net_output)  # (B, T, V), (B, T)
-        if self.ignore_prefix_size > 0:
-            logits, target = logits[:, self.ignore_prefix_size:], target[:, self.ignore_prefix_size:]
+        prefix = self.ignore_prefix_size  # --ignore-prefix-size: not scored
+        logits, target = logits[:, prefix:], target[:, prefix:]
         loss, nll_loss = SmoothedLossFromLogits.apply(
             logits.reshape(-1, logits.size(-1)), target.reshape(-1), self.eps, self.padding_idx)
         return (loss.sum(), nll_loss.sum()) if reduce else (loss, nll_loss)
