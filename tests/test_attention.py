@@ -313,3 +313,21 @@ def test_an_unknown_backends_choice_is_refused():
     with pytest.raises(ValueError, match="'torch' or 'no-cudnn'"):
         check_backends("cudnn")
     assert check_backends(NO_CUDNN) == NO_CUDNN
+
+
+@pytest.mark.parametrize("n", [3, 2, 1])
+def test_splitting_heads_gathers_the_projections_gradient_with_one_copy(n):
+    """split_heads' backward stacks the n heads' gradients straight into the projection's layout
+    (B, L, n * d_model): one operation launched, not a stack and then a copy of its result."""
+    from fairseq_plugin.testing.operations import OperationCounter
+
+    attn = MultiHeadedAttention(4, 32)
+    x = torch.randn(2, 5, n * 32, requires_grad=True)
+    heads = attn.split_heads(x, n)
+    assert [t.shape for t in heads] == [(2, 4, 5, 8)] * n
+    assert torch.equal(torch.stack(heads, 2).transpose(1, 3).reshape(2, 5, -1), x)
+    grads = [torch.randn_like(t) for t in heads]
+    with OperationCounter() as counter:
+        (grad,) = torch.autograd.grad(heads, x, grads)
+    assert counter.launches == 1
+    assert torch.equal(grad, torch.stack(grads, 2).transpose(1, 3).reshape(2, 5, -1))

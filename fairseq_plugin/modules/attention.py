@@ -305,7 +305,9 @@ class MultiHeadedAttention(nn.Module):
     def split_heads(self, x: Tensor, n: int) -> Tuple[Tensor, ...]:
         """(B, L, n * h * d_k) -> n tensors (B, h, L, d_k)."""
         B, L, _ = x.shape
-        return x.view(B, L, n, self.h, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
+        # split, then swap L and h: backward stacks the n gradients straight into x's layout
+        # (unbinding after the swap would stack them as (n, B, h, L, d_k), then copy again)
+        return tuple(t.transpose(1, 2) for t in x.view(B, L, n, self.h, self.d_k).unbind(2))
 
 
 @contextlib.contextmanager
