@@ -6,6 +6,7 @@ import torch
 from fairseq_plugin import reference
 from fairseq_plugin.reference_weights import plain_attention
 from conftest import CPU_HALF_DTYPES
+from fairseq_plugin.torch_release import TORCH_RELEASE
 from fairseq_plugin.modules.attention import (
     EXPLICIT,
     FUSED,
@@ -315,6 +316,8 @@ def test_an_unknown_backends_choice_is_refused():
     assert check_backends(NO_CUDNN) == NO_CUDNN
 
 
+@pytest.mark.skipif(TORCH_RELEASE < (2, 13), reason="torch 2.1's unbind backward fills zeros, then "
+                    "copies each head in (n + 1 launches, measured); torch 2.13's stacks them (1)")
 @pytest.mark.parametrize("n", [3, 2, 1])
 def test_splitting_heads_gathers_the_projections_gradient_with_one_copy(n):
     """split_heads' backward stacks the n heads' gradients straight into the projection's layout
