@@ -99,8 +99,9 @@ class SmoothedLossFromLogits(torch.autograd.Function):
         a = (d_loss if d_loss is not None else torch.zeros_like(real)) * real  # (N,)
         b = (d_nll if d_nll is not None else torch.zeros_like(real)) * real
         # a (p - q) + b (p - onehot(g)), q = u everywhere, 1 - eps at g, 0 at the padding column
-        grad = lprobs.exp().mul_((a + b)[:, None]).sub_((a * u)[:, None])  # (N, V)
-        grad[:, padding_idx] += a * u
+        au = a * u
+        grad = lprobs.exp().mul_((a + b)[:, None]).sub_(au[:, None])  # (N, V)
+        grad[:, padding_idx] += au
         grad.scatter_add_(1, target[:, None], -(a * (1.0 - eps - u) + b)[:, None])
         return grad.to(ctx.logits_dtype), None, None, None
 
