@@ -834,6 +834,41 @@ def test_a_checkpoint_from_before_the_redesign_translates_identically():
         assert all(abs(float(h["score"]) - s) <= 1e-4 for h, s in zip(got, scores))
 
 
+@pytest.mark.parametrize("linear_init", ["glorot", "fairseq"])
+def test_linear_maps_start_as_the_notebook_draws_them_or_as_fairseqs_transformer_does(
+        linear_init):
+    """--linear-init glorot (the default): W^Q, W^K, W^V, W^O and the feed-forward's W_1, W_2
+    each Glorot uniform on its own, the notebook's make_model; fairseq: W^Q, W^K, W^V with gain
+    1/sqrt(2), W^O's bias 0, the feed-forward torch's nn.Linear default U(+-1/sqrt(fan_in)).
+    Each matrix's largest entry lies just under its own bound (4,096 or more draws each)."""
+    model = build_tiny_model(linear_init=linear_init)
+    fairseq = linear_init == "fairseq"
+
+    def drawn_up_to(matrix, bound):
+        largest = matrix.abs().max().item()
+        assert 0.95 * bound < largest <= bound, (tuple(matrix.shape), largest, bound)
+
+    def glorot(matrix, gain=1.0):
+        return gain * math.sqrt(6.0 / sum(matrix.shape))
+
+    layers = [*model.encoder.layers, *model.decoder.layers]
+    attentions = [a for layer in layers for a in (layer.self_attn, getattr(layer, "src_attn", None))
+                  if a is not None]
+    assert len(attentions) == 6
+    for attention in attentions:
+        projections = ((attention.qkv_proj,) if attention.self_attention
+                       else (attention.q_proj, attention.kv_proj))
+        for proj in projections:
+            for matrix in proj.weight.detach().split(64, dim=0):  # W^Q, W^K, W^V: 64 x 64 each
+                drawn_up_to(matrix, glorot(matrix, 2 ** -0.5 if fairseq else 1.0))
+        drawn_up_to(attention.out_proj.weight, glorot(attention.out_proj.weight))
+        assert attention.out_proj.bias.any() != fairseq
+    for layer in layers:
+        for linear in (layer.feed_forward.w_1, layer.feed_forward.w_2):  # 64 -> 256 -> 64
+            bound = linear.in_features ** -0.5 if fairseq else glorot(linear.weight)
+            drawn_up_to(linear.weight, bound)
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_token_embeddings_start_at_the_positional_encodings_size_unless_glorot_is_asked_for(
         shared):

@@ -359,7 +359,7 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         # the decoder's reorder plans, which beam search's step then hands the encoder
         decoder.reorder_plans = encoder.reorder_plans
         model = cls(encoder, decoder)
-        model.init_parameters_(args.embedding_init)
+        model.init_parameters_(args.embedding_init, args.linear_init)
         if args.compile_layers:
             encoder.compiled = CompiledLayers(encoder.layers)
             decoder.compiled = CompiledLayers(decoder.layers)
@@ -376,17 +376,29 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         decoder's caches keep each sentence's keys and values once (modules/cache.py)."""
         self.encoder.beam_size = beam_size
 
-    def init_parameters_(self, embedding_init: str = "normal"):
+    def init_parameters_(self, embedding_init: str = "normal", linear_init: str = "glorot"):
         """make_model's last step, as the notebook's: Glorot / fan_avg uniform for every matrix.
         Attention modules initialise their own W^Q, W^K, W^V, W^O (each matrix on its own, also
         where they are stored side by side). ``embedding_init`` "normal" (--embedding-init):
-        token embeddings, and an output projection of its own, from N(0, d_model^-0.5) instead,
-        as fairseq's transformer. Padding embeddings start at zero (and stay so unless tied to
-        the generator: its log-softmax over every type gives the padding row a gradient)."""
+        token embeddings, and an output projection of their own, from N(0, d_model^-0.5) instead,
+        as fairseq's transformer. ``linear_init`` "fairseq" (--linear-init): the attention's and
+        the feed-forward's linear maps as fairseq's transformer draws them instead (see
+        MultiHeadedAttention.reset_parameters; the feed-forward keeps torch's nn.Linear
+        default). Padding embeddings start at zero (and stay so unless tied to the generator:
+        its log-softmax over every type gives the padding row a gradient)."""
         attention = {id(p) for m in self.modules() if isinstance(m, MultiHeadedAttention)
                      for p in m.parameters()}
+        torch_default = set()
+        if linear_init == "fairseq":
+            for module in self.modules():
+                if isinstance(module, MultiHeadedAttention):
+                    module.reset_parameters(linear_init)
+                elif isinstance(module, PositionwiseFeedForward):
+                    for linear in (module.w_1, module.w_2):
+                        linear.reset_parameters()  # U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+                        torch_default |= {id(p) for p in linear.parameters()}
         for p in self.parameters():
-            if p.dim() > 1 and id(p) not in attention:
+            if p.dim() > 1 and id(p) not in attention and id(p) not in torch_default:
                 nn.init.xavier_uniform_(p)
         if embedding_init == "normal":
             for module in self.modules():

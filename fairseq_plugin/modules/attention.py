@@ -209,13 +209,21 @@ class MultiHeadedAttention(nn.Module):
         self.kernel: Optional[str] = None
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """Glorot / fan_avg uniform for each of W^Q, W^K, W^V, W^O on its own, as the notebook's
-        separate matrices (also inside the concatenations); biases keep nn.Linear's."""
+    def reset_parameters(self, linear_init: str = "glorot") -> None:
+        """glorot (the notebook's): Glorot / fan_avg uniform for each of W^Q, W^K, W^V, W^O on its
+        own, as the notebook's separate matrices (also inside the concatenations); biases keep
+        nn.Linear's. fairseq (--linear-init fairseq, as fairseq's transformer): W^Q, W^K, W^V
+        with gain 1/sqrt(2) where queries and memory have one size (the bound of one Glorot
+        draw over the stacked (3 d_model, d_model) [W^Q; W^K; W^V]), W^O's bias 0."""
         projections = (self.qkv_proj,) if self.self_attention else (self.q_proj, self.kv_proj)
-        for proj in (*projections, self.out_proj):
+        one_size = self.self_attention or self.kv_proj.in_features == self.q_proj.in_features
+        gain = 2 ** -0.5 if linear_init == "fairseq" and one_size else 1.0
+        for proj in projections:
             for matrix in proj.weight.detach().split(self.h * self.d_k, dim=0):
-                nn.init.xavier_uniform_(matrix)
+                nn.init.xavier_uniform_(matrix, gain=gain)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        if linear_init == "fairseq":
+            nn.init.zeros_(self.out_proj.bias)
 
     def forward(self, query: Tensor, memory: Optional[Tensor] = None, mask: Optional[Tensor] = None,
                 causal: bool = False, incremental_state: Optional[IncrementalState] = None,
