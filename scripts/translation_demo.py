@@ -20,7 +20,7 @@ from fairseq_plugin.errors import PluginError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Sized for about 8 minutes of training on 2 CPU cores (the README gives its result and time).
+# Sized for about 10 minutes of training on 2 CPU cores (the README gives its result and time).
 MODEL = ["--arch", "annotated_transformer", "--encoder-layers", "3", "--decoder-layers", "3",
          "--encoder-embed-dim", "128", "--encoder-ffn-embed-dim", "512",
          "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",

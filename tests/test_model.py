@@ -834,15 +834,16 @@ def test_a_checkpoint_from_before_the_redesign_translates_identically():
         assert all(abs(float(h["score"]) - s) <= 1e-4 for h, s in zip(got, scores))
 
 
-@pytest.mark.parametrize("linear_init", ["glorot", "fairseq"])
-def test_linear_maps_start_as_the_notebook_draws_them_or_as_fairseqs_transformer_does(
+@pytest.mark.parametrize("linear_init", [None, "fairseq", "glorot"])
+def test_linear_maps_start_as_fairseqs_transformer_draws_them_or_as_the_notebook_does(
         linear_init):
-    """--linear-init glorot (the default): W^Q, W^K, W^V, W^O and the feed-forward's W_1, W_2
-    each Glorot uniform on its own, the notebook's make_model; fairseq: W^Q, W^K, W^V with gain
-    1/sqrt(2), W^O's bias 0, the feed-forward torch's nn.Linear default U(+-1/sqrt(fan_in)).
-    Each matrix's largest entry lies just under its own bound (4,096 or more draws each)."""
-    model = build_tiny_model(linear_init=linear_init)
-    fairseq = linear_init == "fairseq"
+    """--linear-init fairseq (the default, None): W^Q, W^K, W^V Glorot uniform with gain
+    1/sqrt(2), W^O's bias 0, the feed-forward torch's nn.Linear default U(+-1/sqrt(fan_in));
+    glorot: W^Q, W^K, W^V, W^O and the feed-forward's W_1, W_2 each Glorot uniform on its own,
+    the notebook's make_model. Each matrix's largest entry lies just under its own bound (4,096
+    or more draws each)."""
+    model = build_tiny_model(**({} if linear_init is None else {"linear_init": linear_init}))
+    fairseq = linear_init != "glorot"
 
     def drawn_up_to(matrix, bound):
         largest = matrix.abs().max().item()

@@ -219,8 +219,9 @@ save(fig, "positional_encoding.png")
 # with Glorot / fan_avg. The notebook's small example: 2 layers, vocabularies of 11. (The
 # plugin draws its token embeddings from N(0, d_model^-0.5) instead, as fairseq's transformer
 # does, so that scaled by sqrt(d_model) they start at the positional encodings' size; with the
-# notebook's Glorot, `--embedding-init glorot`, the Tatoeba model below learns markedly slower:
-# docs/code-map.md.)
+# notebook's Glorot, `--embedding-init glorot`, the Tatoeba model below learns markedly slower.
+# Its linear maps also start as fairseq's transformer draws them, which learned better on real
+# text; `--linear-init glorot` gives the notebook's: docs/code-map.md.)
 
 # %%
 small = reference.make_model(11, 11, N=2)

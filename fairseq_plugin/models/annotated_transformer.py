@@ -376,16 +376,17 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         decoder's caches keep each sentence's keys and values once (modules/cache.py)."""
         self.encoder.beam_size = beam_size
 
-    def init_parameters_(self, embedding_init: str = "normal", linear_init: str = "glorot"):
-        """make_model's last step, as the notebook's: Glorot / fan_avg uniform for every matrix.
+    def init_parameters_(self, embedding_init: str = "normal", linear_init: str = "fairseq"):
+        """make_model's last step, the notebook's: Glorot / fan_avg uniform for every matrix.
         Attention modules initialise their own W^Q, W^K, W^V, W^O (each matrix on its own, also
-        where they are stored side by side). ``embedding_init`` "normal" (--embedding-init):
-        token embeddings, and an output projection of their own, from N(0, d_model^-0.5) instead,
-        as fairseq's transformer. ``linear_init`` "fairseq" (--linear-init): the attention's and
-        the feed-forward's linear maps as fairseq's transformer draws them instead (see
-        MultiHeadedAttention.reset_parameters; the feed-forward keeps torch's nn.Linear
-        default). Padding embeddings start at zero (and stay so unless tied to the generator:
-        its log-softmax over every type gives the padding row a gradient)."""
+        where they are stored side by side). Two defaults differ, as fairseq's transformer
+        draws them (both learned better on real text: docs/code-map.md): ``embedding_init``
+        "normal" (--embedding-init): token embeddings, and an output projection of their own,
+        from N(0, d_model^-0.5); ``linear_init`` "fairseq" (--linear-init): the attention's
+        linear maps as MultiHeadedAttention.reset_parameters describes, the feed-forward's
+        torch's nn.Linear default. "glorot" for either is the notebook's. Padding embeddings
+        start at zero (and stay so unless tied to the generator: its log-softmax over every
+        type gives the padding row a gradient)."""
         attention = {id(p) for m in self.modules() if isinstance(m, MultiHeadedAttention)
                      for p in m.parameters()}
         torch_default = set()

@@ -25,8 +25,8 @@ def _option(default, help):
 
 # --embedding-init: fairseq's transformer's N(0, d_model^-0.5), or the notebook's Glorot uniform
 EMBEDDING_INITS = ["normal", "glorot"]
-# --linear-init: the notebook's Glorot for every linear map, or fairseq's transformer's
-LINEAR_INITS = ["glorot", "fairseq"]
+# --linear-init: fairseq's transformer's, or the notebook's Glorot for every linear map
+LINEAR_INITS = ["fairseq", "glorot"]
 
 
 @dataclass
@@ -81,10 +81,11 @@ class AnnotatedTransformerConfig(FairseqDataclass):
                   "make_model (glorot: about 5x smaller at a 6k vocabulary, which learns slower: "
                   "docs/code-map.md)")
     linear_init: ChoiceEnum(LINEAR_INITS) = _option(
-        "glorot", "the linear maps' initialisation: Glorot uniform for each matrix, the notebook's "
-                  "make_model (glorot, the default); or fairseq's transformer's: W^Q, W^K, W^V "
-                  "Glorot with gain 1/sqrt(2), W^O's bias 0, torch's default for the "
-                  "feed-forward (fairseq: docs/code-map.md)")
+        "fairseq", "the linear maps' initialisation: as fairseq's transformer draws them, W^Q, "
+                   "W^K, W^V Glorot uniform with gain 1/sqrt(2), W^O's bias 0, torch's default "
+                   "for the feed-forward (fairseq, the default: it learned better on real text); "
+                   "or Glorot uniform for each matrix, the notebook's make_model (glorot; "
+                   "docs/code-map.md)")
     max_source_positions: int = _option(DEFAULT_MAX_POSITIONS, "longest source, in tokens")
     max_target_positions: int = _option(DEFAULT_MAX_POSITIONS, "longest target, in tokens")
     fused_attention_backends: ChoiceEnum([NO_CUDNN, TORCH_CHOICE]) = _option(
