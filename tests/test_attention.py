@@ -236,24 +236,33 @@ def test_separate_widths_initialise_each_projection_as_its_own_glorot_matrix():
     assert q_bound * 0.95 < attn.q_proj.weight.abs().max() <= q_bound
 
 
-def test_a_model_with_encoder_width_128_and_decoder_width_96_initialises_every_matrix_on_its_own():
+@pytest.mark.parametrize("linear_init", ["glorot", "fairseq"])
+def test_a_model_with_encoder_width_128_and_decoder_width_96_initialises_every_matrix_on_its_own(
+        linear_init):
+    """Each of W^Q, W^K, W^V, W^O Glorot uniform on its own shape; with --linear-init fairseq,
+    W^Q, W^K, W^V with gain 1/sqrt(2) where queries and memory have one width (self-attention)
+    and gain 1 where they differ (decoder-source attention, 96 and 128), as fairseq's."""
     from conftest import build_tiny_model
 
     model = build_tiny_model(encoder_embed_dim=128, decoder_embed_dim=96,
-                             encoder_attention_heads=4, decoder_attention_heads=4)
-    def glorot(w, rows, cols):  # nn.Linear's default bound, 1 / sqrt(cols), is below 0.95 of it
-        bound = math.sqrt(6.0 / (rows + cols))
+                             encoder_attention_heads=4, decoder_attention_heads=4,
+                             linear_init=linear_init)
+    gain = 2 ** -0.5 if linear_init == "fairseq" else 1.0  # W^Q, W^K, W^V of self-attention
+
+    def glorot(w, rows, cols, gain=1.0):  # nn.Linear's bound, 1 / sqrt(cols), is below 0.95 of it
+        bound = gain * math.sqrt(6.0 / (rows + cols))
         return w.shape == (rows, cols) and 0.95 * bound < w.abs().max() <= bound
 
     for layer in model.decoder.layers:
         w_k, w_v = layer.src_attn.kv_proj.weight.split(96, dim=0)
         assert glorot(layer.src_attn.q_proj.weight, 96, 96)
         assert glorot(w_k, 96, 128) and glorot(w_v, 96, 128)
-        assert all(glorot(w, 96, 96) for w in layer.self_attn.qkv_proj.weight.split(96, dim=0))
+        assert all(glorot(w, 96, 96, gain) for w in layer.self_attn.qkv_proj.weight.split(96, dim=0))
         assert glorot(layer.self_attn.out_proj.weight, 96, 96)
         assert glorot(layer.src_attn.out_proj.weight, 96, 96)
     for layer in model.encoder.layers:
-        assert all(glorot(w, 128, 128) for w in layer.self_attn.qkv_proj.weight.split(128, dim=0))
+        assert all(glorot(w, 128, 128, gain)
+                   for w in layer.self_attn.qkv_proj.weight.split(128, dim=0))
         assert glorot(layer.self_attn.out_proj.weight, 128, 128)
 
 

@@ -842,7 +842,7 @@ def test_linear_maps_start_as_fairseqs_transformer_draws_them_or_as_the_notebook
     glorot: W^Q, W^K, W^V, W^O and the feed-forward's W_1, W_2 each Glorot uniform on its own,
     the notebook's make_model. Each matrix's largest entry lies just under its own bound (4,096
     or more draws each)."""
-    model = build_tiny_model(**({} if linear_init is None else {"linear_init": linear_init}))
+    model = build_tiny_model(linear_init=linear_init)
     fairseq = linear_init != "glorot"
 
     def drawn_up_to(matrix, bound):
