@@ -75,9 +75,9 @@ walkthrough: install
 	$(PY) -m pip install --quiet ".[walkthrough]"
 	cd examples/walkthrough && ../../$(VENV)/bin/jupyter lab walkthrough.ipynb
 
+# (nbclient's jupyter-execute, of the test extra: jupytext --execute needs nbconvert as well)
 walkthrough-run: install
-	cd examples/walkthrough && ../../$(PY) -m jupytext --execute --run-path . --to ipynb \
-	    --output work/walkthrough.ipynb walkthrough.py
+	cd examples/walkthrough && ../../$(VENV)/bin/jupyter-execute walkthrough.ipynb
 
 # the notebook's first example: copying random symbols, decoded greedily
 demo-copy: install
