@@ -31,6 +31,7 @@
 import inspect
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from argparse import Namespace
@@ -68,6 +69,8 @@ REPO = find_repository(os.getcwd())  # Jupyter runs in examples/walkthrough
 HERE = os.path.abspath(os.environ.get("WALKTHROUGH_DIR", "."))  # where figures and work go
 FIGURES = os.path.join(HERE, "figures")
 WORK = os.path.join(HERE, "work")
+for made in ("copy", "tatoeba"):  # an earlier run's data and models: each run starts afresh
+    shutil.rmtree(os.path.join(WORK, made), ignore_errors=True)
 os.makedirs(FIGURES, exist_ok=True)
 BIN = os.path.dirname(sys.executable)  # fairseq's commands beside this Python
 torch.manual_seed(0)
