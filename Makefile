@@ -73,11 +73,11 @@ demo-reverse: install
 # walkthrough extra: JupyterLab, jupytext), or run headless, its figures written
 walkthrough: install
 	$(PY) -m pip install --quiet ".[walkthrough]"
-	cd examples/walkthrough && ../../$(VENV)/bin/jupyter lab walkthrough.ipynb
+	cd examples/walkthrough && $(abspath $(VENV))/bin/jupyter lab walkthrough.ipynb
 
 # (nbclient's jupyter-execute, of the test extra: jupytext --execute needs nbconvert as well)
 walkthrough-run: install
-	cd examples/walkthrough && ../../$(VENV)/bin/jupyter-execute walkthrough.ipynb
+	cd examples/walkthrough && $(abspath $(VENV))/bin/jupyter-execute walkthrough.ipynb
 
 # the notebook's first example: copying random symbols, decoded greedily
 demo-copy: install

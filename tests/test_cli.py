@@ -412,14 +412,14 @@ def test_interactive_skips_empty_and_over_long_lines_and_goes_on(reverse_run, ge
     """The lines around the skipped ones are translated as fairseq-generate translates them
     (whatever the model's accuracy: the 0.12.2 lane's is trained for 10 epochs only)."""
     too_long = " ".join(["a"] * 1100)  # the model allows 1024 source positions
-    first, last = (generated[i] for i in sorted(generated)[:2])  # (source, reference, hypothesis)
-    lines = [first[0], "", too_long, last[0]]
+    first, second = (generated[i] for i in sorted(generated)[:2])  # (source, ref, hypothesis)
+    lines = [first[0], "", too_long, second[0]]
     proc = cli("fairseq-interactive", reverse_run["data_bin"], "--user-dir", PLUGIN_DIR,
                "--path", reverse_run["checkpoint"], "--beam", "5", "--source-lang", "src",
                "--target-lang", "tgt", "--cpu", input="\n".join(lines) + "\n")
     hyps = {int(line.split("\t")[0][2:]): line.split("\t")[2]
             for line in proc.stdout.splitlines() if line.startswith("H-")}
-    assert hyps == {0: first[2], 3: last[2]}  # numbered by input line
+    assert hyps == {0: first[2], 3: second[2]}  # numbered by input line
     assert "skipped an empty input line" in proc.stderr
     assert (f'skipped input "{too_long[:37]}...": 1101 tokens, more than the model\'s 1024 '
             f'(--max-source-positions)') in proc.stderr
