@@ -84,19 +84,23 @@ def gpu_peak(name: str, precision: str):
     return None
 
 
-def measured_cpu_peak(precision: str = "fp32", size: int = 1024, repeats: int = 10) -> float:
+def measured_cpu_peak(precision: str = "fp32", size: int = 1024, seconds: float = 1.0,
+                      at_least: int = 10) -> float:
     """The CPU's rate of large matrix products in FLOP/s, in this process with torch's threads:
-    the fastest of ``repeats`` products of two size x size matrices."""
+    the fastest of the products of two size x size matrices made over ``seconds`` (at least
+    ``at_least`` of them), so that a short slow spell of a shared machine does not set the peak
+    (ten products in a row once read 0.09 TFLOP/s where training then ran at 0.11)."""
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
+    best, products, began = float("inf"), 0, time.perf_counter()
+    while products < at_least or time.perf_counter() - began < seconds:
         start = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - start)
+        products += 1
     return 2.0 * size ** 3 / best
 
 
