@@ -1084,7 +1084,7 @@ def test_the_device_peak_comes_from_the_table_by_name_the_flag_or_the_cpus_measu
     assert mfu.utilisation(1.23456e9, 2000, None) == "2.469 TFLOP/s"
 
 
-def test_the_cpus_peak_is_the_fastest_product_over_a_second_not_over_ten_in_a_row():
+def test_the_cpus_peak_is_the_fastest_product_over_a_time_window_not_ten_in_a_row():
     """A shared machine's short slow spell must not set the peak (it once read below the rate
     training then reached): the products go on for the whole window."""
     import time
