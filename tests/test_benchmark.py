@@ -151,6 +151,21 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
                                                     "annotated_transformer torch-choice",
                                                     "transformer"]
     assert all(float(seconds) > 0 for _, seconds in profiled)
+    # where each decoding's time goes: a column per model, the parts adding up to the whole
+    table = out[out.index("\n| beam 5, 100 sentences x 8 tokens, one profiled decoding, CPU "
+                          "time, s | annotated_transformer | transformer | annotated_transformer "
+                          "torch-choice |\n|---|---|---|---|\n"):].split("\n")[3:9]
+    parts = {row.split(" | ")[0].lstrip("| "): [float(c) for c in row.strip("| ").split(" | ")[1:]]
+             for row in table}
+    assert list(parts) == ["matrix products of the model's passes (mm, addmm)",
+                           "attention's kernels (fused; or bmm, softmax)",
+                           "the rest of the model's passes", "reordering for beam search",
+                           "SequenceGenerator's own, log-probabilities included",
+                           "the profiled decoding"], table
+    *each, whole = parts.values()
+    for model in range(3):
+        assert whole[model] > 0 and abs(sum(row[model] for row in each) - whole[model]) <= 0.003
+        assert parts["matrix products of the model's passes (mm, addmm)"][model] > 0
 
 
 def check_step_ratio(out, name):
@@ -977,6 +992,54 @@ def test_a_gpu_profile_also_lists_the_operators_by_host_time(capsys):
                                  "     0.050 s       7 calls  aten::copy_"]
     profiling.print_profile("t", ops, common.CPU, rows=2)
     assert "by the CPU's time" not in capsys.readouterr().out
+
+
+def test_a_decodings_time_is_split_by_where_each_operator_ran_and_what_it_is():
+    """time_by_part: each operator's self time once, under the innermost named range around it
+    (None outside them all), as a matrix product, attention or other; decoding_parts' rows add
+    up to the whole: the model's passes by kind, the reorders, SequenceGenerator's own."""
+    from torch.profiler import profile, record_function
+
+    from fairseq_plugin.benchmark import decoding
+
+    x, w = torch.randn(64, 32), torch.randn(32, 32)
+    q = torch.randn(2, 4, 8, 16)
+    with profile() as prof:
+        with record_function("model.forward"):  # a decoder step
+            with record_function("inner"):  # not a part: its operators are the step's
+                torch.nn.functional.linear(x, w, torch.zeros(32))  # addmm
+            x @ w  # mm
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            torch.bmm(q[0], q[0].transpose(1, 2)).softmax(-1)  # attention, written out
+            (x + 1).relu()
+        with record_function("model.encoder.forward"):
+            x @ w
+        with record_function("model.reorder_incremental_state_scripting"):
+            x.index_select(0, torch.arange(10))
+            x @ w  # in a reorder: the reorder's, whatever its kind
+        x.topk(3)  # outside the model: SequenceGenerator's
+    ranges = ["model.forward", "model.encoder.forward", "model.reorder_encoder_out",
+              "model.reorder_incremental_state_scripting"]
+    parts = profiling.time_by_part(prof, ranges)
+    assert set(parts) == {("model.forward", "matrix products"), ("model.forward", "attention"),
+                          ("model.forward", "other"), ("model.encoder.forward", "matrix products"),
+                          ("model.encoder.forward", "other"),  # aten::matmul's own, around mm
+                          ("model.reorder_incremental_state_scripting", "matrix products"),
+                          ("model.reorder_incremental_state_scripting", "other"),
+                          (None, "other")}
+    assert all(seconds > 0 for seconds in parts.values())
+    every_operator = sum(e.self_cpu_time_total for e in prof.events()
+                         if e.name.startswith("aten::")) / 1e6
+    assert sum(parts.values()) == pytest.approx(every_operator, rel=1e-9)
+    rows = dict(decoding.decoding_parts(parts))
+    assert rows["matrix products of the model's passes (mm, addmm)"] == pytest.approx(
+        parts["model.forward", "matrix products"] + parts["model.encoder.forward", "matrix products"])
+    assert rows["reordering for beam search"] == pytest.approx(
+        parts["model.reorder_incremental_state_scripting", "matrix products"]
+        + parts["model.reorder_incremental_state_scripting", "other"])
+    assert rows["SequenceGenerator's own, log-probabilities included"] == parts[None, "other"]
+    *each, whole = rows.values()
+    assert whole == pytest.approx(sum(each)) and whole == pytest.approx(every_operator)
 
 
 def test_attention_new_shapes_times_each_backend_choice_at_shapes_none_other_used(monkeypatch,

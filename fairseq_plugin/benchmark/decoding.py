@@ -6,7 +6,7 @@ import statistics
 import time
 
 from .common import CPU, OURS, THEIRS, alternated
-from .profiling import add_profile, print_profile, profiler_activities
+from .profiling import add_profile, print_profile, profiler_activities, time_by_part
 
 
 def decoding_in_process(checkpoints, data_bin, length, n_sentences=100, rounds=3, device=CPU,
@@ -22,7 +22,7 @@ def decoding_in_process(checkpoints, data_bin, length, n_sentences=100, rounds=3
     import torch
     from torch.profiler import profile, record_function
 
-    from fairseq_plugin.testing.operations import STEP_CALLS, around_step_calls
+    from fairseq_plugin.testing.operations import STEP_CALLS, around_calls, around_step_calls
 
     setups = {}
     for name, checkpoint in checkpoints.items():
@@ -52,18 +52,61 @@ def decoding_in_process(checkpoints, data_bin, length, n_sentences=100, rounds=3
             if r:
                 spent[name][0].append(time.perf_counter() - start)
                 spent[name][1].append(sum(in_model))
+    parts = {}
     for name in alternated(list(setups), rounds):
-        with profile(activities=profiler_activities(device), with_flops=True) as prof:
+        model = setups[name][0]
+        with profile(activities=profiler_activities(device), with_flops=True) as prof, \
+                around_calls([(model.encoder, "forward")],
+                             lambda _: record_function(f"model.{ENCODER}")):
             decode(name, lambda call: record_function(f"model.{call}"))  # rows of their own
         ops = {}
         add_profile(ops, prof, device)
         calls = {call: ops.pop(f"model.{call}", [0.0] * 5)[4] for _, call in STEP_CALLS}
+        ops.pop(f"model.{ENCODER}", None)
         print_profile(f"{name}, beam 5, {n_sentences} sentences x {length} tokens, profiled",
                       ops, device, rows)
         print("  (CPU time in the model's calls: " + ", ".join(
             f"{call} {seconds:.3f} s" for call, seconds in calls.items()) + ")")
+        parts[name] = time_by_part(
+            prof, [f"model.{call}" for _, call in STEP_CALLS] + [f"model.{ENCODER}"], device)
+    print_parts({name: parts[name] for name in setups}, f"beam 5, {n_sentences} sentences x {length} tokens, one profiled "
+                f"decoding, {'GPU' if device.kind == 'cuda' else 'CPU'} time, s")
     return {name: (statistics.median(whole), statistics.median(model))
             for name, (whole, model) in spent.items()}
+
+
+ENCODER = "encoder.forward"  # the encoder's pass, once per decoding: profiled as a range too
+
+
+def decoding_parts(parts):
+    """A decoding's time by part, from ``time_by_part`` over the model's calls' ranges: rows of
+    (label, seconds). The kinds of operator inside the model's passes (encoder, decoder steps);
+    the reorders whole; outside the model, fairseq's SequenceGenerator (the log-probabilities
+    included: SequenceGenerator asks for them outside the decoder's forward)."""
+    from fairseq_plugin.testing.operations import STEP_CALLS
+
+    passes = ("model.forward", f"model.{ENCODER}")  # the decoder's steps, the encoder's pass
+    reorders = [f"model.{call}" for _, call in STEP_CALLS if call != "forward"]
+
+    def total(ranges, kinds=("matrix products", "attention", "other")):
+        return sum(s for (part, kind), s in parts.items() if part in ranges and kind in kinds)
+
+    return [("matrix products of the model's passes (mm, addmm)",
+             total(passes, ["matrix products"])),
+            ("attention's kernels (fused; or bmm, softmax)", total(passes, ["attention"])),
+            ("the rest of the model's passes", total(passes, ["other"])),
+            ("reordering for beam search", total(reorders)),
+            ("SequenceGenerator's own, log-probabilities included", total([None])),
+            ("the profiled decoding", sum(parts.values()))]
+
+
+def print_parts(parts, title):
+    """One column per model of ``decoding_parts``: where each decoding's time goes."""
+    names = list(parts)
+    rows = {name: decoding_parts(parts[name]) for name in names}
+    print(f"\n| {title} | {' | '.join(names)} |\n|---|{'---|' * len(names)}")
+    for i, (label, _) in enumerate(rows[names[0]]):
+        print(f"| {label} | {' | '.join(f'{rows[name][i][1]:.3f}' for name in names)} |")
 
 
 def decoding_model(checkpoint, data_bin, device=CPU, attention_weights=True):

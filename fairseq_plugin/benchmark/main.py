@@ -56,7 +56,8 @@ attention's handling of queries with no key), so that what it keeps for backward
 --decoding-in-process times beam 5 of both models' first checkpoints in this process on the same
 sources, alternated, split into the time inside the model's per-step calls (decoder step,
 reorders) and the rest (encoder, fairseq's SequenceGenerator), then prints torch.profiler's
-operators of one decoding of each: where a GPU's beam search spends its time.
+operators of one decoding of each and a table of where each decoding's time goes (matrix
+products, attention, the rest of the model's passes, reorders, SequenceGenerator's own work).
 
 --also-torch-choice adds a third contestant to every round: annotated_transformer trained (and
 so decoding) with --fused-attention-backends torch, its fused attention on the backend torch

@@ -1,5 +1,5 @@
 """torch.profiler's operators of training steps or decodings: self time (the GPU's on a GPU),
-calls, and the matrix products' time and FLOPs."""
+calls, and the matrix products' time and FLOPs; a decoding's time by part (``time_by_part``)."""
 
 from .common import CPU, alternated
 
@@ -63,3 +63,37 @@ def self_gpu_time(event) -> float:
     if hasattr(event, "self_device_time_total"):
         return event.self_device_time_total
     return event.self_cuda_time_total
+
+
+MATRIX_PRODUCTS = ("aten::mm", "aten::addmm")
+# attention's own operators: torch's fused kernels (every backend's name says so), or the
+# formula written out with batched products and a softmax (fairseq's transformer, decoding)
+ATTENTION = ("scaled_dot_product", "aten::bmm", "aten::baddbmm", "aten::_softmax")
+
+
+def operator_kind(name: str) -> str:
+    """"matrix products", "attention" or "other" for an operator's name."""
+    if name in MATRIX_PRODUCTS:
+        return "matrix products"
+    return "attention" if any(a in name for a in ATTENTION) else "other"
+
+
+def time_by_part(prof, ranges, device=CPU):
+    """Seconds of self time (the GPU's on a GPU) of a profile's operators, by the innermost of
+    the named ``ranges`` (record_function labels) each ran in, or None outside them all, and by
+    ``operator_kind``: {(range or None, kind): seconds}. Each operator counts once (self time),
+    so the parts add up to the profile's total."""
+    from torch.autograd import DeviceType
+
+    on_gpu = device.kind == "cuda"
+    parts = {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CPU or not e.name.startswith("aten::"):
+            continue  # kernels (their GPU time is their operator's), and the ranges themselves
+        part = e.cpu_parent
+        while part is not None and part.name not in ranges:
+            part = part.cpu_parent
+        key = (part.name if part is not None else None, operator_kind(e.name))
+        seconds = (self_gpu_time(e) if on_gpu else e.self_cpu_time_total) / 1e6
+        parts[key] = parts.get(key, 0.0) + seconds
+    return parts
