@@ -145,7 +145,8 @@ def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cach
         assert 0 < in_model < whole and abs(whole - in_model - rest) <= 0.0015
     profiled = re.findall(r"\n(annotated_transformer(?: torch-choice)?|transformer), beam 5, 100 "
                           r"sentences x 8 "
-                          r"tokens, profiled: [\d.]+ s of CPU time.*\n(?:  .*\n)+  \(CPU time "
+                          r"tokens, profiled: [\d.]+ s of CPU time in [\d.]+ s of wall time, "
+                          r".*\n(?:  .*\n)+  \(CPU time "
                           r"in the model's calls: forward ([\d.]+) s", out)
     assert sorted(name for name, _ in profiled) == ["annotated_transformer",
                                                     "annotated_transformer torch-choice",
@@ -184,8 +185,8 @@ def test_steps_in_process_time_the_models_and_profile_their_matrix_products(tmp_
     check_step_ratio(out, "annotated_transformer without packing")
     gflop = {}
     for name in ("annotated_transformer", "transformer", "annotated_transformer without packing"):
-        profiled = re.search(rf"\n{name}, 1 steps profiled: [\d.]+ s of CPU time, matrix "
-                             r"products [\d.]+ s, ([\d,.]+) GFLOP", out)
+        profiled = re.search(rf"\n{name}, 1 steps profiled: [\d.]+ s of CPU time in [\d.]+ s of "
+                             r"wall time, matrix products [\d.]+ s, ([\d,.]+) GFLOP", out)
         assert profiled, name
         gflop[name] = float(profiled[1].replace(",", ""))
     # the same batch: computing the padding (about a fifth of the target positions here) costs
@@ -992,6 +993,14 @@ def test_a_gpu_profile_also_lists_the_operators_by_host_time(capsys):
                                  "     0.050 s       7 calls  aten::copy_"]
     profiling.print_profile("t", ops, common.CPU, rows=2)
     assert "by the CPU's time" not in capsys.readouterr().out
+    # given the wall time: on a GPU, the share of it the GPU was busy (0.8 s of GPU time in 2 s)
+    profiling.print_profile("t", ops, common.Device("cuda", "fp16"), rows=2, wall=2.0)
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "t: 0.80 s of GPU time (0.07 s of CPU time) in 2.00 s of wall time (the GPU busy 40% of "
+        "it), matrix products 0.50 s, 0.0 GFLOP")
+    profiling.print_profile("t", ops, common.CPU, rows=2, wall=2.0)
+    assert capsys.readouterr().out.splitlines()[1].startswith(
+        "t: 0.80 s of CPU time in 2.00 s of wall time, matrix products")
 
 
 def test_a_decodings_time_is_split_by_where_each_operator_ran_and_what_it_is():

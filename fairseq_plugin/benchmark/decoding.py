@@ -58,13 +58,15 @@ def decoding_in_process(checkpoints, data_bin, length, n_sentences=100, rounds=3
         with profile(activities=profiler_activities(device), with_flops=True) as prof, \
                 around_calls([(model.encoder, "forward")],
                              lambda _: record_function(f"model.{ENCODER}")):
+            start = time.perf_counter()
             decode(name, lambda call: record_function(f"model.{call}"))  # rows of their own
+            wall = time.perf_counter() - start
         ops = {}
         add_profile(ops, prof, device)
         calls = {call: ops.pop(f"model.{call}", [0.0] * 5)[4] for _, call in STEP_CALLS}
         ops.pop(f"model.{ENCODER}", None)
         print_profile(f"{name}, beam 5, {n_sentences} sentences x {length} tokens, profiled",
-                      ops, device, rows)
+                      ops, device, rows, wall)
         print("  (CPU time in the model's calls: " + ", ".join(
             f"{call} {seconds:.3f} s" for call, seconds in calls.items()) + ")")
         parts[name] = time_by_part(

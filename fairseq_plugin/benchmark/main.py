@@ -36,7 +36,8 @@ or on the CPU the matrix-product rate measured in this process).
 --steps-in-process N measures training alone, with less noise: both models' fairseq Trainers in
 this one process take the same N batches, alternated step by step (the machine's drift falls on
 both alike); --profile-steps K adds torch.profiler's operators of K steps of each, alternated
-too, with the time and FLOPs of their matrix products. Several --max-tokens sizes
+too, with the time and FLOPs of their matrix products and, on a GPU, the share of the steps'
+wall time the GPU was busy (a small share: the host sets the pace). Several --max-tokens sizes
 (8192,16384,...) sweep the batch size, size after size, and end in a table of each model's
 words/s, MFU and ratio by size: where each stops being bound by the host. --warm-up-epoch
 first trains every model on a whole epoch's batches, untimed (every shape seen once: cuDNN's

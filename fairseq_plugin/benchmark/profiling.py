@@ -7,17 +7,21 @@ from .common import CPU, alternated
 def print_profiles(trainers, samples, device=CPU, rows=25):
     """torch.profiler on training steps of each trainer, alternated step by step as above: the
     operators with the most time (self time, summed over the steps: the CPU's, or on a GPU the
-    GPU's) and the time and FLOPs of the matrix products (aten::mm, aten::addmm)."""
+    GPU's) and the time and FLOPs of the matrix products (aten::mm, aten::addmm); on a GPU, the
+    share of the steps' wall time the GPU was busy (a small share: the host sets the pace)."""
     from torch.profiler import profile
 
+    from .steps import timed_step
+
     totals = {name: {} for name in trainers}
+    walls = {name: 0.0 for name in trainers}
     for i, sample in enumerate(samples):
         for name in alternated(list(trainers), i):
             with profile(activities=profiler_activities(device), with_flops=True) as prof:
-                trainers[name].train_step([sample])
+                walls[name] += timed_step(trainers[name], sample, device)
             add_profile(totals[name], prof, device)
     for name, ops in totals.items():
-        print_profile(f"{name}, {len(samples)} steps profiled", ops, device, rows)
+        print_profile(f"{name}, {len(samples)} steps profiled", ops, device, rows, walls[name])
 
 
 def profiler_activities(device):
@@ -42,12 +46,17 @@ def add_profile(ops, prof, device=CPU):
         kept[4] += e.cpu_time_total / 1e6
 
 
-def print_profile(title, ops, device=CPU, rows=25):
-    """The operators of ``add_profile`` with the most self time, and the matrix products."""
+def print_profile(title, ops, device=CPU, rows=25, wall=None):
+    """The operators of ``add_profile`` with the most self time, and the matrix products; with
+    ``wall``, the profiled work's wall time (seconds) and, on a GPU, the share of it the GPU
+    was busy."""
     on_gpu = device.kind == "cuda"
     gemm = [ops.get(key, [0.0] * 5) for key in ("aten::mm", "aten::addmm")]
-    print(f"\n{title}: {sum(t[0] for t in ops.values()):.2f} s of {'GPU' if on_gpu else 'CPU'} "
+    busy = sum(t[0] for t in ops.values())
+    print(f"\n{title}: {busy:.2f} s of {'GPU' if on_gpu else 'CPU'} "
           "time" + (f" ({sum(t[3] for t in ops.values()):.2f} s of CPU time)" if on_gpu else "")
+          + ("" if wall is None else f" in {wall:.2f} s of wall time"
+             + (f" (the GPU busy {busy / wall:.0%} of it)" if on_gpu else ""))
           + f", matrix products {sum(t[0] for t in gemm):.2f} s, "
           f"{sum(t[2] for t in gemm) / 1e9:,.1f} GFLOP")
     for key, (seconds, calls, *_) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:rows]:
