@@ -71,8 +71,9 @@ def decoding_in_process(checkpoints, data_bin, length, n_sentences=100, rounds=3
             f"{call} {seconds:.3f} s" for call, seconds in calls.items()) + ")")
         parts[name] = time_by_part(
             prof, [f"model.{call}" for _, call in STEP_CALLS] + [f"model.{ENCODER}"], device)
-    print_parts({name: parts[name] for name in setups}, f"beam 5, {n_sentences} sentences x {length} tokens, one profiled "
-                f"decoding, {'GPU' if device.kind == 'cuda' else 'CPU'} time, s")
+    print_parts({name: parts[name] for name in setups},  # in the order given
+                f"beam 5, {n_sentences} sentences x {length} tokens, one profiled decoding, "
+                f"{'GPU' if device.kind == 'cuda' else 'CPU'} time, s")
     return {name: (statistics.median(whole), statistics.median(model))
             for name, (whole, model) in spent.items()}
 

@@ -3,6 +3,11 @@ calls, and the matrix products' time and FLOPs; a decoding's time by part (``tim
 
 from .common import CPU, alternated
 
+MATRIX_PRODUCTS = ("aten::mm", "aten::addmm")
+# attention's own operators: torch's fused kernels (every backend's name says so), or the
+# formula written out with batched products and a softmax (fairseq's transformer, decoding)
+ATTENTION = ("scaled_dot_product", "aten::bmm", "aten::baddbmm", "aten::_softmax")
+
 
 def print_profiles(trainers, samples, device=CPU, rows=25):
     """torch.profiler on training steps of each trainer, alternated step by step as above: the
@@ -51,7 +56,7 @@ def print_profile(title, ops, device=CPU, rows=25, wall=None):
     ``wall``, the profiled work's wall time (seconds) and, on a GPU, the share of it the GPU
     was busy."""
     on_gpu = device.kind == "cuda"
-    gemm = [ops.get(key, [0.0] * 5) for key in ("aten::mm", "aten::addmm")]
+    gemm = [ops.get(key, [0.0] * 5) for key in MATRIX_PRODUCTS]
     busy = sum(t[0] for t in ops.values())
     print(f"\n{title}: {busy:.2f} s of {'GPU' if on_gpu else 'CPU'} "
           "time" + (f" ({sum(t[3] for t in ops.values()):.2f} s of CPU time)" if on_gpu else "")
@@ -72,12 +77,6 @@ def self_gpu_time(event) -> float:
     if hasattr(event, "self_device_time_total"):
         return event.self_device_time_total
     return event.self_cuda_time_total
-
-
-MATRIX_PRODUCTS = ("aten::mm", "aten::addmm")
-# attention's own operators: torch's fused kernels (every backend's name says so), or the
-# formula written out with batched products and a softmax (fairseq's transformer, decoding)
-ATTENTION = ("scaled_dot_product", "aten::bmm", "aten::baddbmm", "aten::_softmax")
 
 
 def operator_kind(name: str) -> str:
