@@ -322,8 +322,9 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
     @classmethod
     def make_model(cls, args: Namespace, src_dict, tgt_dict) -> "AnnotatedTransformerModel":
         """The notebook's make_model, from fairseq's options: the token embeddings (one module
-        when shared), the encoder's and the decoder's N layers, the generator, then Glorot
-        initialisation."""
+        when shared), the encoder's and the decoder's N layers, the generator, then the
+        initialisation of --embedding-init and --linear-init (fairseq's by default, the
+        notebook's Glorot with ``glorot``)."""
         scale = not args.no_scale_embedding
         src_tokens = Embeddings(args.encoder_embed_dim, len(src_dict), src_dict.pad(), scale)
         tgt_tokens = src_tokens if args.share_all_embeddings else Embeddings(
