@@ -42,7 +42,6 @@ setup(
             "annotated-evaluate-bleu=fairseq_plugin.cli.evaluate:main",
             "annotated-attention-heatmaps=fairseq_plugin.cli.heatmaps:main",
             "annotated-average-checkpoints=fairseq_plugin.cli.average_checkpoints:main",
-            "annotated-launch-cpu-ranks=fairseq_plugin.cli.launch_cpu_ranks:main",
             "annotated-reverse-data=fairseq_plugin.cli.reverse_task:main",
             "annotated-copy-data=fairseq_plugin.cli.reverse_task:copy_main",
             "annotated-export-fairseq=fairseq_plugin.export:main",

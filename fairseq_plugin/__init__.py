@@ -2,20 +2,19 @@
 
 ``--user-dir fairseq_plugin`` (or ``import fairseq_plugin``) registers with fairseq:
 the model ``annotated_transformer`` and its presets, the criterion ``annotated_label_smoothing``
-and the LR scheduler ``noam``. It also lets torch >= 2.6 load fairseq checkpoints safely, gives
-user errors one line (errors.py), and lets fairseq-interactive skip bad input lines and go on.
+and the LR scheduler ``noam``. It also installs the plugin's changes to fairseq, each listed
+with its reason in fairseq_changes.py: checkpoints that torch >= 2.6 loads and that a kill cannot
+tear, one-line errors, torchrun and srun on CPUs, a save on SIGTERM/SIGUSR1, and
+fairseq-interactive skipping bad input lines.
 """
 
-from . import checkpoints  # noqa: F401  (first: safe checkpoint loading)
-from .errors import PluginError, install_excepthook, report_unknown_options_in_one_line
+from . import fairseq_changes
+from .errors import PluginError
 
-install_excepthook()
-report_unknown_options_in_one_line()
+fairseq_changes.install()
 
-from . import criterions, interactive, lr_scheduler, models  # noqa: E402,F401
+from . import criterions, lr_scheduler, models  # noqa: E402,F401
 from .models.annotated_transformer import AnnotatedTransformerModel  # noqa: E402,F401
-
-interactive.install()
 
 __version__ = "0.1.0"
 __all__ = ["AnnotatedTransformerModel", "PluginError", "__version__"]

@@ -24,12 +24,12 @@ import errno
 import functools
 import os
 import pickle
+import shutil
 import traceback
 import zipfile
 
 import numpy as np
 import torch
-from fairseq import checkpoint_utils
 
 from .errors import PluginError
 from .torch_release import TORCH_RELEASE
@@ -64,12 +64,19 @@ CHECKPOINT_SAFE_GLOBALS = [argparse.Namespace]
 NUMERIC_ARRAY_GLOBALS = numeric_numpy_array_globals() if HAS_ALLOWLIST else []
 
 
-def allow_fairseq_checkpoints() -> None:
+def allow_fairseq_checkpoint_globals():
     """Allowlist the Namespace for ``torch.load(weights_only=True)`` (torch 2.4, which has no
-    scoped allowlist: the numpy arrays too)."""
-    if HAS_ALLOWLIST:
-        torch.serialization.add_safe_globals(
-            CHECKPOINT_SAFE_GLOBALS + ([] if HAS_SCOPED_ALLOWLIST else NUMERIC_ARRAY_GLOBALS))
+    scoped allowlist: the numpy arrays too); return what undoes it (fairseq_changes.py)."""
+    if not HAS_ALLOWLIST:
+        return lambda: None
+    before = list(torch.serialization.get_safe_globals())
+    torch.serialization.add_safe_globals(
+        CHECKPOINT_SAFE_GLOBALS + ([] if HAS_SCOPED_ALLOWLIST else NUMERIC_ARRAY_GLOBALS))
+
+    def undo():
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+    return undo
 
 
 def numeric_arrays_allowed():
@@ -119,7 +126,46 @@ def save_whole(state: dict, path: str) -> None:
             os.remove(tmp)
 
 
-allow_fairseq_checkpoints()
+
+def is_whole(path: str) -> bool:
+    """Whether a checkpoint file is complete and undamaged. torch writes a zip archive that keeps
+    a CRC-32 of every record (the pickle and each tensor's bytes); a truncated file has no
+    readable directory and a changed byte fails its record's CRC. Reads the whole file once."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip() is None
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return False
+
+
+class _WholeCopies:
+    """fairseq's PathManager, except that ``copy`` of a local file writes DEST.tmp and renames it
+    over DEST: the copy is whole or not there at all (fairseq_changes.py)."""
+
+    def __init__(self, path_manager):
+        self._path_manager = path_manager
+
+    def __getattr__(self, name):  # everything else as fairseq's
+        return getattr(self._path_manager, name)
+
+    def copy(self, src_path: str, dst_path: str, overwrite: bool = False, **kwargs) -> bool:
+        if "://" in src_path or "://" in dst_path:  # a remote store: fairseq's own
+            return self._path_manager.copy(src_path, dst_path, overwrite, **kwargs)
+        if os.path.exists(dst_path) and not overwrite:
+            return False
+        tmp = dst_path + ".tmp"
+        try:
+            shutil.copyfile(src_path, tmp)
+            os.replace(tmp, dst_path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return True
+
+
+def whole_copies(path_manager):
+    """checkpoint_utils.PathManager (fairseq_changes.py)."""
+    return _WholeCopies(path_manager)
 
 
 def _refused_by_weights_only(exc: BaseException) -> bool:
@@ -149,9 +195,6 @@ def _raised_by_torch_load(exc: BaseException) -> bool:
 
 def explain_unreadable_checkpoints(load):
     """Wrap fairseq's ``load_checkpoint_to_cpu`` so a damaged file gives one clear line."""
-    if getattr(load, "explains_unreadable", False):
-        return load
-
     @functools.wraps(load)
     def load_checkpoint_to_cpu(path, *args, **kwargs):
         try:
@@ -170,9 +213,5 @@ def explain_unreadable_checkpoints(load):
                 f"cannot read checkpoint {path} ({first}): the file is damaged or incomplete; "
                 f"use another one (e.g. checkpoint_best.pt or an earlier checkpointN.pt)") from e
 
-    load_checkpoint_to_cpu.explains_unreadable = True
     return load_checkpoint_to_cpu
 
-
-checkpoint_utils.load_checkpoint_to_cpu = explain_unreadable_checkpoints(
-    checkpoint_utils.load_checkpoint_to_cpu)

@@ -101,7 +101,9 @@ def exit_in_one_line(command: str, error: PluginError):
     sys.exit(f"{command}: error: {error}")
 
 
-def _print_plugin_errors_as_one_line(previous_hook):
+def print_plugin_errors_as_one_line(previous_hook):
+    """sys.excepthook (fairseq_changes.py): an uncaught :class:`PluginError`, or in fairseq's
+    commands a missing file or input that is not UTF-8, as one line; anything else as before."""
     def hook(exc_type, exc, tb):
         message = one_line_error(exc)
         if message is None and _running_a_fairseq_command():
@@ -112,26 +114,16 @@ def _print_plugin_errors_as_one_line(previous_hook):
         else:
             previous_hook(exc_type, exc, tb)
 
-    hook.fairseq_plugin_hook = True
     return hook
 
 
-def install_excepthook():
-    """Make uncaught :class:`PluginError` print one line (idempotent)."""
-    if not getattr(sys.excepthook, "fairseq_plugin_hook", False):
-        sys.excepthook = _print_plugin_errors_as_one_line(sys.excepthook)
-
-
-def report_unknown_options_in_one_line():
-    """fairseq-train and fairseq-hydra-train merge each configuration group (model, criterion,
-    lr_scheduler, ...) with its config dataclass in ``add_defaults`` right after importing the
-    user dir; a misspelled key there is an omegaconf ConfigKeyError at the end of a long
-    traceback, and an unknown ``model._name`` (a YAML's or an override's) a KeyError from fairseq's
-    own error message. Wrap that step so each becomes a PluginError naming it (idempotent)."""
-    train = sys.modules.get("fairseq_cli.train")
-    if train is None or getattr(train.add_defaults, "fairseq_plugin_hook", False):
-        return
-    merge_with_dataclasses = train.add_defaults
+def unknown_options_in_one_line(merge_with_dataclasses):
+    """fairseq-train's ``add_defaults`` (fairseq_changes.py). fairseq-train and
+    fairseq-hydra-train merge each configuration group (model, criterion, lr_scheduler, ...)
+    with its config dataclass there right after importing the user dir; a misspelled key is an
+    omegaconf ConfigKeyError at the end of a long traceback, and an unknown ``model._name`` (a
+    YAML's or an override's) a KeyError from fairseq's own error message. Each becomes a
+    PluginError naming it."""
 
     def add_defaults(cfg):
         from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_REGISTRY
@@ -156,5 +148,4 @@ def report_unknown_options_in_one_line():
             raise PluginError(f"unknown option {where}: {config} has no field '{e.key}'; "
                               f"{spelling_hint(str(e.key), names, listed_in)}")
 
-    add_defaults.fairseq_plugin_hook = True
-    train.add_defaults = add_defaults
+    return add_defaults

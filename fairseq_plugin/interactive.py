@@ -2,7 +2,8 @@
 
 Without this, an over-long line ends the whole session with fairseq's "Size of sample #0 is
 invalid" error, and an empty line is "translated" from nothing. When the plugin is loaded by
-fairseq-interactive (``--user-dir fairseq_plugin``), its ``make_batches`` is wrapped: each such
+fairseq-interactive (``--user-dir fairseq_plugin``), its ``make_batches`` is wrapped
+(fairseq_changes.py): each such
 line gets one message on stderr, the other lines are translated, and every output keeps the
 number of its input line.
 """
@@ -18,8 +19,7 @@ def _preview(line: str, width: int = 40) -> str:
 
 
 def checked_make_batches(make_batches):
-    if getattr(make_batches, "checks_inputs", False):
-        return make_batches
+    """fairseq-interactive's ``make_batches`` (fairseq_changes.py)."""
 
     @functools.wraps(make_batches)
     def wrapper(lines, cfg, task, max_positions, encode_fn):
@@ -46,12 +46,4 @@ def checked_make_batches(make_batches):
         for batch in make_batches([lines[i] for i in keep], cfg, task, max_positions, encode_fn):
             yield batch._replace(ids=original[batch.ids])
 
-    wrapper.checks_inputs = True
     return wrapper
-
-
-def install():
-    """Wrap fairseq-interactive's batching when it is the running command."""
-    module = sys.modules.get("fairseq_cli.interactive")
-    if module is not None:
-        module.make_batches = checked_make_batches(module.make_batches)

@@ -24,7 +24,8 @@ from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, NO_CUDNN, TORCH_C
                                               MultiHeadedAttention)
 from fairseq_plugin.testing.recomputing import without_cache
 from fairseq_plugin.torch_release import TORCH_RELEASE
-from test_distributed import check_two_ranks_equal_one_rank_with_update_freq_2, ddp_data_bin
+from test_distributed import (check_equal_to_one_rank_with_update_freq_2, ddp_data_bin, free_port,
+                              torchrun_node, train_args, wait_all)
 
 # ANNOTATED_TEST_DEVICE=cpu runs the same tests on the CPU (to check the tests themselves)
 DEVICE = os.environ.get("ANNOTATED_TEST_DEVICE", "cuda")
@@ -331,15 +332,17 @@ def ddp_bin(tmp_path_factory):
 
 
 # fairseq wraps the model for data parallelism only when the world is larger than one rank, so
-# its wrappers run here with two ranks on the one GPU (gloo: NCCL wants a GPU per rank)
+# its wrappers run here with two ranks on the one GPU: torchrun --nproc-per-node 2 and fairseq's
+# own GPU launch (gloo: NCCL wants a GPU per rank)
 @pytest.mark.parametrize("ddp_backend", ["legacy_ddp", "c10d"])
-def test_two_ranks_on_one_gpu_equal_one_rank_with_update_freq_2(ddp_bin, tmp_path, capfd,
-                                                                ddp_backend):
-    if DEVICE == "cpu" and ddp_backend == "c10d":
-        pytest.skip("fairseq's c10d wrapper gives torch's DDP device_ids, which it refuses for a "
-                    "model on the CPU")
-    check_two_ranks_equal_one_rank_with_update_freq_2(ddp_bin, tmp_path, capfd,
-                                                      cpu=DEVICE == "cpu", ddp_backend=ddp_backend)
+def test_two_ranks_on_one_gpu_equal_one_rank_with_update_freq_2(ddp_bin, tmp_path, ddp_backend):
+    if DEVICE == "cpu":
+        pytest.skip("two ranks on one GPU; on CPUs test_distributed.py runs torchrun and srun")
+    save, log = tmp_path / "ddp", tmp_path / "torchrun.log"
+    args = [*train_args(ddp_bin, save), "--distributed-world-size", "2",
+            "--distributed-backend", "gloo", "--ddp-backend", ddp_backend]
+    rank0, = wait_all([torchrun_node(0, 1, 2, free_port(), args, log)], [log])
+    check_equal_to_one_rank_with_update_freq_2(ddp_bin, tmp_path, rank0, save, device_flags=())
 
 
 @pytest.fixture(scope="module")

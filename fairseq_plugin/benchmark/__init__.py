@@ -6,5 +6,6 @@ exported to CTranslate2), ``steps`` (training steps of both models in one proces
 ``decoding`` (beam search in one process, the cache), ``memory`` (what a step keeps and holds:
 ``cuda_peak`` on a GPU, ``storage_peak`` on the CPU), ``profiling`` (torch.profiler), ``mfu``
 (model FLOPs per token and the share of the device's peak), ``report`` (the ratio tables),
-``data`` and ``common``. ``cli_process`` and ``fairseq_bf16`` run inside fairseq's commands.
+``data`` and ``common``. ``cli_process`` runs inside fairseq's commands (with
+fairseq_changes.py's bf16 changes where asked).
 """

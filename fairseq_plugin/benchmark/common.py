@@ -41,11 +41,12 @@ def model_flags(preset):
             "--share-all-embeddings", "--dropout", "0.1"]
 
 
-def child_import(name: str) -> str:
-    """Python code that imports this folder's NAME.py in a child process by its path, as a module
-    of its own: not through this package, whose ``fairseq_plugin`` would register the plugin
-    before fairseq imports the --user-dir it was given (another checkout's, with --before)."""
-    path = os.path.join(HERE, f"{name}.py")
+def child_import(name: str, folder: str = HERE) -> str:
+    """Python code that imports FOLDER/NAME.py (this folder's by default) in a child process by
+    its path, as a module of its own: not through this package, whose ``fairseq_plugin`` would
+    register the plugin before fairseq imports the --user-dir it was given (another checkout's,
+    with --before)."""
+    path = os.path.join(folder, f"{name}.py")
     return (f"spec = importlib.util.spec_from_file_location({name!r}, {path!r}); "
             f"{name} = importlib.util.module_from_spec(spec); spec.loader.exec_module({name}); ")
 
@@ -57,9 +58,10 @@ def child_import(name: str) -> str:
 CUDA_PEAK = child_import("cuda_peak") + "cuda_peak.switch_on(); "
 # torch's cuDNN attention backend switched off
 NO_CUDNN_ATTENTION = "torch.backends.cuda.enable_cudnn_sdp(False); "
-# fairseq's CLIs in bf16 (fairseq_bf16.py)
-IN_BF16 = child_import("fairseq_bf16") + "fairseq_bf16.switch_on(); "
-BF16_MODELS = "fairseq_bf16: the models in torch.bfloat16"  # what fairseq_bf16 prints
+# fairseq's CLIs in bf16 (fairseq_changes.BENCHMARK_BF16)
+IN_BF16 = (child_import("fairseq_changes", os.path.dirname(HERE))
+           + "fairseq_changes.install([c.name for c in fairseq_changes.BENCHMARK_BF16]); ")
+BF16_MODELS = "fairseq_changes: the models in torch.bfloat16"  # what that prints
 
 
 class Device:

@@ -79,7 +79,7 @@ are fast, so give it more --train-updates (e.g. 200) and a larger --max-tokens (
 --precision bf16 (on either device) needs a hand with fairseq 0.12, for both models alike:
 its --bf16 also switches on --tpu, which the benchmark's fairseq processes switch back off, and
 fairseq-generate, which has no bf16, gets the checkpoint's models turned to bf16 as they load
-(fairseq_bf16.py). Absolute numbers move +-10% between runs on shared machines: read
+(fairseq_changes.py). Absolute numbers move +-10% between runs on shared machines: read
 the ratios.
 """
 
@@ -92,6 +92,7 @@ import statistics
 import tempfile
 import time
 
+from fairseq_plugin import fairseq_changes
 from fairseq_plugin.cli.common import plugin_dir
 
 from . import mfu
@@ -171,7 +172,7 @@ def main(argv=None):
     p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=None,
                    help="fairseq's --fp16 or --bf16, or fp32 (default: fp32 on cpu, fp16 on "
                         "cuda); bf16 with fairseq's --tpu switched back off, and fairseq-generate's "
-                        "models turned to bf16 as they load (fairseq_bf16.py)")
+                        "models turned to bf16 as they load (fairseq_changes.py)")
     p.add_argument("--before", metavar="PLUGIN_DIR",
                    help="also run the annotated_transformer of another checkout, e.g. "
                         "../old/fairseq_plugin (git worktree add ../old COMMIT), in the same "
@@ -252,8 +253,7 @@ def main(argv=None):
     if not device.cudnn_attention:  # in this process too (in-process steps and decoding)
         torch.backends.cuda.enable_cudnn_sdp(False)
     if device.precision == "bf16":  # (in-process steps parse fairseq-train's flags here)
-        from . import fairseq_bf16
-        fairseq_bf16.switch_on()
+        fairseq_changes.install([change.name for change in fairseq_changes.BENCHMARK_BF16])
     if device.kind == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
     if args.skip_generation:  # (no checkpoint is decoded)

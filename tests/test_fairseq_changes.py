@@ -1,0 +1,124 @@
+"""Each of the plugin's changes to fairseq (fairseq_plugin/fairseq_changes.py) is needed: without
+it (``fairseq_changes.removed``) fairseq misbehaves as the change's reason says, with it not.
+NEEDED names the test that shows it for every change; those not here are in the files named."""
+
+import argparse
+import ast
+import os
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import make_dictionary
+from fairseq_plugin import PluginError, checkpoints, fairseq_changes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+NEEDED = {
+    "restricted_unpickler_reads_fairseq_checkpoints":
+        "test_fairseq_changes.py::test_torch_loads_a_fairseq_namespace_only_with_the_allowlist",
+    "damaged_checkpoint_in_one_line":
+        "test_fairseq_changes.py::test_a_damaged_checkpoint_is_one_line_only_with_the_change",
+    "checkpoint_copies_whole":
+        "test_preemption.py::test_a_copy_killed_midway_leaves_the_old_checkpoint_whole",
+    "resume_from_newest_whole_checkpoint":
+        "test_preemption.py::test_a_torn_checkpoint_last_is_passed_over_for_the_newest_whole_one",
+    "patience_saved_with_checkpoints":
+        "test_preemption.py::test_patience_counter_is_saved_and_restored",
+    "save_and_exit_on_signal":
+        "test_preemption.py::test_a_signal_at_a_random_moment_saves_and_the_same_command_resumes_there",
+    "launchers_environment_on_cpu":
+        "test_distributed.py::test_without_the_change_fairseq_trains_each_torchrun_rank_alone_on_cpus",
+    "one_line_errors":
+        "test_fairseq_changes.py::test_a_plugin_error_is_one_line_only_with_the_excepthook",
+    "unknown_options_in_one_line":
+        "test_fairseq_changes.py::test_an_unknown_model_name_is_refused_only_with_the_change",
+    "interactive_skips_bad_lines":
+        "test_fairseq_changes.py::test_interactive_skips_an_empty_line_only_with_the_change",
+    "bf16_without_tpu": "test_benchmark.py::"
+        "test_bf16_trains_and_decodes_in_bf16_though_fairseq_012_ties_its_flag_to_tpus",
+    "generate_in_bf16": "test_benchmark.py::"
+        "test_bf16_trains_and_decodes_in_bf16_though_fairseq_012_ties_its_flag_to_tpus",
+}
+
+
+def test_every_change_has_a_reason_and_a_test_that_exists():
+    changes = fairseq_changes.CHANGES + fairseq_changes.BENCHMARK_BF16
+    assert sorted(NEEDED) == sorted(c.name for c in changes)
+    for change in changes:
+        assert change.why and "\n" not in change.why
+        path, name = NEEDED[change.name].split("::")
+        tree = ast.parse(open(os.path.join(HERE, path)).read())
+        assert name in {f.name for f in tree.body if isinstance(f, ast.FunctionDef)}, name
+    assert len(fairseq_changes.describe().splitlines()) == len(changes)
+
+
+@pytest.mark.skipif(not checkpoints.HAS_ALLOWLIST,
+                    reason="torch < 2.4 loads without weights_only by default: nothing to allow")
+def test_torch_loads_a_fairseq_namespace_only_with_the_allowlist(tmp_path):
+    path = tmp_path / "namespace.pt"
+    torch.save({"args": argparse.Namespace(arch="transformer")}, path)
+    with fairseq_changes.removed("restricted_unpickler_reads_fairseq_checkpoints"):
+        with pytest.raises(Exception, match="Unsupported global"):
+            torch.load(path, weights_only=True)
+    assert torch.load(path, weights_only=True)["args"].arch == "transformer"
+
+
+def test_a_damaged_checkpoint_is_one_line_only_with_the_change(tmp_path):
+    from fairseq import checkpoint_utils
+
+    path = tmp_path / "checkpoint_last.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}}, path)
+    path.write_bytes(path.read_bytes()[:300])  # truncated
+    with fairseq_changes.removed("damaged_checkpoint_in_one_line"):
+        with pytest.raises(Exception) as fairseqs:
+            checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    assert not isinstance(fairseqs.value, PluginError)
+    with pytest.raises(PluginError, match="the file is damaged or incomplete"):
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+
+
+def test_a_plugin_error_is_one_line_only_with_the_excepthook(capsys):
+    error = PluginError("what is wrong; how to fix it")
+    with fairseq_changes.removed("one_line_errors"):
+        sys.excepthook(PluginError, error, None)
+    assert "fairseq_plugin: error:" not in capsys.readouterr().err
+    sys.excepthook(PluginError, error, None)
+    assert capsys.readouterr().err == "fairseq_plugin: error: what is wrong; how to fix it\n"
+
+
+def test_an_unknown_model_name_is_refused_only_with_the_change():
+    from fairseq_cli import train
+
+    fairseq_changes.install()  # (fairseq_cli.train is imported now)
+    with fairseq_changes.removed("unknown_options_in_one_line"):
+        train.add_defaults(OmegaConf.create({"model": {"_name": "annotated_transformr"}}))
+    with pytest.raises(PluginError, match="unknown model model._name=annotated_transformr"):
+        train.add_defaults(OmegaConf.create({"model": {"_name": "annotated_transformr"}}))
+
+
+def test_interactive_skips_an_empty_line_only_with_the_change(tmp_path, capsys):
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq_cli import interactive
+
+    fairseq_changes.install()  # (fairseq_cli.interactive is imported now)
+    for lang in ("src", "tgt"):
+        make_dictionary().save(str(tmp_path / f"dict.{lang}.txt"))
+    args = options.parse_args_and_arch(options.get_interactive_generation_parser(),
+                                       [str(tmp_path), "--source-lang", "src", "--target-lang",
+                                        "tgt", "--cpu"])
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+
+    def ids():
+        batches = interactive.make_batches(["w1 w2", "", "w3"], cfg, task, (1024, 1024),
+                                           lambda line: line)
+        return sorted(i for batch in batches for i in batch.ids.tolist())
+
+    with fairseq_changes.removed("interactive_skips_bad_lines"):
+        assert ids() == [0, 1, 2]  # the empty line "translated"
+    assert ids() == [0, 2]
+    assert "skipped an empty input line" in capsys.readouterr().err
