@@ -19,7 +19,7 @@ PAGES = [README] + DOCS + EXAMPLES
 
 # commands a bash block may start with that this repository does not provide
 EXTERNAL = {"pip", "python", "python3", "python3.10", "git", "echo", "torchrun", "apt", "export",
-            "cd", "mkdir", "time", "."}
+            "cd", "mkdir", "time", ".", "srun", "trap", "wait"}
 REPO_PATH = re.compile(r"^(?:scripts|examples|tests|docs|\.ci|fairseq_plugin)/[\w./-]*")
 
 

@@ -141,16 +141,17 @@ def fairseq_validation(line: str) -> Optional[str]:
     return line.split(" | ", 3)[-1].rstrip()
 
 
-def run(cmd, log_path, show=None, epochs=None, echo=print, output_path=None):
+def run(cmd, log_path, show=None, epochs=None, echo=print, output_path=None, append=False):
     """Run a command and log all its output as it comes. Echoed as they come: a progress line per
     log interval of fairseq-train (``epochs``: for the estimate) or batch of fairseq-generate,
     and what ``show(line)`` returns for a line (None: nothing). ``output_path``: the child's
     stdout goes there instead (e.g. fairseq-generate's translations), its stderr to the log.
-    A failed command raises PluginError naming the log."""
+    A failed command raises PluginError naming the log (``append``: added to its end)."""
     cmd = [str(c) for c in cmd]
     echo("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     started = time.monotonic()
-    with open(log_path, "w") as log, open(output_path or os.devnull, "w") as output:
+    with open(log_path, "a" if append else "w") as log, \
+            open(output_path or os.devnull, "w") as output:
         # unbuffered: a child writing to a pipe would otherwise hold its lines back for minutes
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(cmd, stdout=output if output_path else subprocess.PIPE,

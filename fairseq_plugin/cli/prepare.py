@@ -17,17 +17,17 @@ sacreBLEU) and ``prepare.json`` (the settings, for evaluation and translation).
 import argparse
 import functools
 import gzip
-import io
 import json
 import os
 import re
 import shutil
 import sys
 import urllib.request
-from unittest import mock
 
 from ..errors import PluginError, exit_in_one_line
-from .common import Progress, fairseq_cli, progress, run
+from . import streaming
+from .common import fairseq_cli, run
+from .streaming import PrepareError, open_text  # noqa: F401  (the corpus readers' errors)
 
 # name -> languages, split prefixes, download (url template by file) or bundled directory
 CORPORA = {
@@ -58,10 +58,6 @@ CORPORA = {
 }
 
 
-class PrepareError(PluginError):
-    pass
-
-
 MARKER = ".annotated-prepare"  # written first into DEST: --force replaces only a preparation
 
 
@@ -69,7 +65,9 @@ MARKER = ".annotated-prepare"  # written first into DEST: --force replaces only 
 # splits (train.de-en.de.bin, valid1.de-en.en.idx, ...; its workers' parts, train.de-en.de.pt1.bin,
 # when it stopped before merging them) and log
 PREPARATION_ENTRY = re.compile(
-    r"\.annotated-prepare|prepare\.json|prepare\.log|bpe\.codes|text|raw|preprocess\.log"
+    r"\.annotated-prepare|prepare\.json|prepare\.log|bpe\.codes|text|raw|tokenised|dictionary"
+    r"|shard\d+"
+    r"|preprocess\.log"
     r"|dict\.[^.]+\.txt"
     r"|(train|valid\d*|test\d*)\.[^.]+-[^.]+\.[^.]+(\.pt\d+)?\.(bin|idx)")
 
@@ -94,70 +92,37 @@ def remove_earlier_preparation(dest) -> None:
             os.remove(path)
 
 
-def open_text(path):
-    """A plain or gzipped UTF-8 text file (PATH or PATH.gz), without a leading byte-order mark.
-    Lines end at "\n" only: a carriage return inside a line (which Python's universal newlines
-    would take for a line end, misaligning a parallel corpus) stays in it, to become a space."""
-    if not os.path.exists(path) and os.path.exists(path + ".gz"):
-        path += ".gz"
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8-sig", newline="\n")
-    return open(path, encoding="utf-8-sig", newline="\n")
-
-
-def not_utf8(path) -> str:
-    """Where the first byte that is not UTF-8 stands in ``path`` (plain or gzipped)."""
-    gz = path if os.path.exists(path + ".gz") and not os.path.exists(path) else None
-    with (gzip.open(gz + ".gz") if gz else open(path, "rb")) as f:
-        for number, line in enumerate(f, 1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                return f"byte {line[e.start]:#x} at line {number}, byte {e.start + 1}"
-    return "an undecodable byte"
-
-
 def exists(path):
     return os.path.exists(path) or os.path.exists(path + ".gz")
 
 
-def read_parallel(raw_dir, prefix, src, tgt):
-    """Read RAW/prefix.src and RAW/prefix.tgt; refuse missing, misaligned or empty input."""
+def raw_paths(raw_dir, prefix, src, tgt):
+    """RAW/prefix.src and RAW/prefix.tgt (or .gz); one line for a missing or ambiguous one."""
     paths = [os.path.join(raw_dir, f"{prefix}.{lang}") for lang in (src, tgt)]
     for path in paths:
         if not exists(path):
             raise PrepareError(f"missing file {path} (or {path}.gz): expected "
                                f"RAW_DIR/{prefix}.{{{src},{tgt}}}, one sentence per line (other "
                                f"prefixes: --train, --valid, --test)")
-    sides = []
-    for path in paths:
-        try:
-            with open_text(path) as f:
-                # tabs, carriage returns, edges -> one space
-                sides.append([" ".join(line.split()) for line in f])
-        except UnicodeDecodeError as e:
-            raise PrepareError(f"{path} is not UTF-8 text ({not_utf8(path)}); convert it, "
-                               f"e.g. iconv -f latin1 -t utf-8") from e
-        except (OSError, EOFError) as e:  # a directory, a truncated or false .gz, ...
-            raise PrepareError(f"cannot read {path} ({e}); give plain or gzipped UTF-8 "
-                               f"text") from e
-    if len(sides[0]) != len(sides[1]):
-        raise PrepareError(f"{paths[0]} has {len(sides[0])} lines but {paths[1]} has "
-                           f"{len(sides[1])}: parallel files must be aligned line by line")
-    if not sides[0]:
+        if os.path.exists(path) and os.path.exists(path + ".gz"):
+            raise PrepareError(f"both {path} and {path}.gz are there: which is the corpus? "
+                               f"Move one away")
+    return paths
+
+
+def check_scan(paths, found: streaming.Scan) -> None:
+    if not found.pairs:
         raise PrepareError(f"{paths[0]} and {paths[1]} are empty")
-    empty = sum(1 for a, b in zip(*sides) if not a or not b)
-    if empty == len(sides[0]):
+    if not found.kept:
         raise PrepareError(f"{paths[0]} / {paths[1]}: every pair has an empty side")
-    return sides
 
 
-def without_empty_pairs(sides):
-    """The pairs of which neither side is empty, and the line numbers of the others (a sentence
-    paired with nothing teaches the model to translate it into nothing)."""
-    kept = [(a, b) for a, b in zip(*sides) if a and b]
-    dropped = [i for i, (a, b) in enumerate(zip(*sides), 1) if not a or not b]
-    return [[a for a, _ in kept], [b for _, b in kept]], dropped
+def read_parallel(raw_dir, prefix, src, tgt):
+    """Both sides of RAW/prefix.{src,tgt} in memory (for small files; the preparation itself
+    streams them)."""
+    paths = raw_paths(raw_dir, prefix, src, tgt)
+    check_scan(paths, streaming.scan(paths))
+    return [list(streaming.normalised_lines(p)) for p in paths]
 
 
 def fetch(url, directory):
@@ -282,19 +247,6 @@ def moses_tokenizer(lang):
     return MosesTokenizer(MosesTokenizerConfig(source_lang=lang, target_lang=lang)).encode
 
 
-class CountingMerges:
-    """The file subword-nmt's learn_bpe writes its merges to, counting them for Progress (in a
-    log, where subword-nmt's own bar would be one line of carriage returns)."""
-
-    def __init__(self, out, shown: Progress):
-        self.out, self.shown = out, shown
-
-    def write(self, text: str) -> None:
-        self.out.write(text)
-        if not text.startswith("#"):  # "#version: 0.2" comes first
-            self.shown.update(text.count("\n"))
-
-
 def preprocess_summary(line: str):
     """fairseq-preprocess's summary of a binarised file ("[de] .../train.de: 3000 sents, ..."),
     or None."""
@@ -317,6 +269,9 @@ def check_destination(dest, raw_dir, force) -> bool:
         raise PrepareError(f"{dest} is not empty and holds no earlier preparation (no "
                            f"prepare.json), so it is not replaced, not even with --force; "
                            f"choose another --dest")
+    if not force and not os.path.exists(os.path.join(dest, "prepare.json")):
+        raise PrepareError(f"{dest} holds an unfinished preparation (it was interrupted); pass "
+                           f"--force to prepare it again, or choose another --dest")
     if not force:
         raise PrepareError(f"{dest} holds an earlier preparation; pass --force to replace it, or "
                            f"choose another --dest")
@@ -326,93 +281,138 @@ def check_destination(dest, raw_dir, force) -> bool:
     return True
 
 
-def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, workers=2,
-            force=False):
-    """Tokenise (fairseq's moses tokenizer), learn and apply joint BPE, and binarise with
-    fairseq-preprocess into DEST; returns the settings written to DEST/prepare.json. Bad input
-    is refused in one line before DEST is touched."""
-    from subword_nmt.apply_bpe import BPE
-    from subword_nmt.learn_bpe import learn_bpe
+def usable_cores() -> int:
+    """The cores this process may run on (a cpuset or taskset limits them), else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
-    if bpe_merges < 1:
-        raise PrepareError(f"--bpe-merges {bpe_merges}: give a number of merges of at least 1")
-    if workers < 1:
-        raise PrepareError(f"--workers {workers}: give at least 1 process")
+
+def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, workers=None,
+            force=False, shards=1, bpe_sample_lines=None):
+    """Tokenise (fairseq's moses tokenizer), learn and apply joint BPE, and binarise with
+    fairseq-preprocess into DEST, streaming the text in chunks over ``workers`` processes
+    (streaming.py; default: the usable cores); returns the settings written to
+    DEST/prepare.json. Bad input is refused in one line before DEST is touched. ``shards``:
+    the training text binarised as DEST/shard0 ... (valid and test in shard0 and DEST), one
+    dictionary, for fairseq-train DEST/shard0:DEST/shard1:... . ``bpe_sample_lines``: BPE learnt
+    from the first N training pairs."""
+    workers = workers or usable_cores()
+    for option, value, least in (("--bpe-merges", bpe_merges, 1), ("--workers", workers, 1),
+                                 ("--shards", shards, 1), ("--bpe-sample-lines",
+                                                           bpe_sample_lines or 1, 1)):
+        if value < least:
+            raise PrepareError(f"{option} {value}: give at least {least}")
     check_languages(source_lang, target_lang)
     replace = check_destination(dest, raw_dir, force)
     langs = (source_lang, target_lang)
-    data = {split: read_parallel(raw_dir, prefix, *langs) for split, prefix in splits.items()}
-    data["train"], dropped = without_empty_pairs(data["train"])
+    paths = {split: raw_paths(raw_dir, prefix, *langs) for split, prefix in splits.items()}
+    scans = {}
+    for split, pair in paths.items():  # every split read once before anything is written
+        scans[split] = streaming.scan(pair)
+        check_scan(pair, scans[split])
+    dropped = scans["train"].empty_lines
     if dropped:
         print(f"train: left out {len(dropped)} pairs with an empty side (lines "
               f"{', '.join(map(str, dropped[:10]))}{', ...' if len(dropped) > 10 else ''})",
               file=sys.stderr, flush=True)
-
-    tokenised = {}
-    for split, sides in data.items():
-        tokenised[split] = []
-        for lang, lines in zip(langs, sides):
-            tokenise = moses_tokenizer(lang)
-            tokenised[split].append(
-                [tokenise(line) for line in progress(lines, f"tokenise {split}.{lang}")])
-
-    codes = io.StringIO()
-    train_text = tokenised["train"][0] + tokenised["train"][1]
-    if sys.stderr.isatty():  # subword-nmt draws its own bar
-        learn_bpe(train_text, codes, bpe_merges)
-    else:  # our lines instead of its bar (one line of carriage returns in a log)
-        without_bar = lambda iterable, *args, **kwargs: iterable  # noqa: E731
-        with Progress(f"learn joint BPE on train.{source_lang} + train.{target_lang}",
-                      bpe_merges, "merges") as shown, \
-                mock.patch.object(sys.modules[learn_bpe.__module__], "tqdm", without_bar):
-            learn_bpe(train_text, CountingMerges(codes, shown), bpe_merges)
-    learnt = codes.getvalue().count("\n") - 1  # "#version: 0.2", then a merge per line
-    if learnt < 1:
-        raise PrepareError(f"no pair of symbols occurs twice in train.{source_lang} + "
-                           f"train.{target_lang}, so BPE learnt no merge: give more text")
-    if learnt < bpe_merges:
-        print(f"BPE learnt {learnt} of the {bpe_merges} merges asked for: no other pair of "
-              f"symbols occurs twice in the training text", file=sys.stderr, flush=True)
+    sizes = {split: (found.kept if split == "train" else found.pairs)
+             for split, found in scans.items()}
+    if shards > sizes["train"]:
+        raise PrepareError(f"--shards {shards}: more shards than the {sizes['train']} training "
+                           f"pairs")
 
     if replace:  # only once the input is known to be good
         remove_earlier_preparation(dest)
     os.makedirs(dest, exist_ok=True)
     open(os.path.join(dest, MARKER), "w").close()
-    text, raw = os.path.join(dest, "text"), os.path.join(dest, "raw")
-    os.makedirs(text)
-    os.makedirs(raw)
+    text, raw, tokenised = (os.path.join(dest, d) for d in ("text", "raw", "tokenised"))
+    for folder in (text, raw, tokenised):
+        os.makedirs(folder)
     # raw valid/test text: the references for detokenised sacreBLEU
     for split in ("valid", "test"):
-        for lang, lines in zip(langs, data[split]):
+        for lang, path in zip(langs, paths[split]):
             with open(os.path.join(raw, f"{split}.{lang}"), "w", encoding="utf-8") as f:
-                f.writelines(line + "\n" for line in lines)
-    with open(os.path.join(dest, "bpe.codes"), "w", encoding="utf-8") as f:
-        f.write(codes.getvalue())
-    codes.seek(0)
-    bpe = BPE(codes)
-    for split, sides in tokenised.items():
-        for lang, lines in zip(langs, sides):
-            with open(os.path.join(text, f"{split}.{lang}"), "w", encoding="utf-8") as f:
-                for line in progress(lines, f"apply BPE {split}.{lang}"):
-                    f.write(bpe.process_line(line) + "\n")
+                f.writelines(line + "\n" for line in streaming.normalised_lines(path))
 
-    cmd = [fairseq_cli("fairseq-preprocess"),
-           "--source-lang", source_lang, "--target-lang", target_lang,
-           "--trainpref", os.path.join(text, "train"), "--validpref", os.path.join(text, "valid"),
-           "--testpref", os.path.join(text, "test"), "--destdir", dest, "--joined-dictionary",
-           "--workers", str(workers)]
-    # (fairseq-preprocess keeps its own log, DEST/preprocess.log: ours is another file)
-    run(cmd, os.path.join(dest, "prepare.log"), show=preprocess_summary,
-        echo=functools.partial(print, file=sys.stderr))
+    window = 2 * workers
+    with streaming.pool(workers) as workers_pool:
+        for split, pair in paths.items():
+            counts = streaming.tokenise(
+                pair, [os.path.join(tokenised, f"{split}.{lang}") for lang in langs], langs,
+                sizes[split], split == "train", workers_pool, window, f"tokenise {split}",
+                count_lines=(min(bpe_sample_lines or sizes["train"], sizes["train"])
+                             if split == "train" else 0))
+            if split == "train":
+                codes = streaming.learn_bpe(counts, bpe_merges, f"learn joint BPE on train."
+                                            f"{source_lang} + train.{target_lang}")
+        learnt = codes.count("\n") - 1  # "#version: 0.2", then a merge per line
+        if learnt < 1:
+            raise PrepareError(f"no pair of symbols occurs twice in train.{source_lang} + "
+                               f"train.{target_lang}, so BPE learnt no merge: give more text")
+        if learnt < bpe_merges:
+            print(f"BPE learnt {learnt} of the {bpe_merges} merges asked for: no other pair of "
+                  f"symbols occurs twice in the training text", file=sys.stderr, flush=True)
+        with open(os.path.join(dest, "bpe.codes"), "w", encoding="utf-8") as f:
+            f.write(codes)
+        for split in paths:
+            for lang in langs:
+                streaming.apply_bpe(codes, os.path.join(tokenised, f"{split}.{lang}"),
+                                    os.path.join(text, f"{split}.{lang}"), sizes[split],
+                                    workers_pool, window, f"apply BPE {split}.{lang}")
+    shutil.rmtree(tokenised)
+    binarise(dest, langs, workers, shards, sizes["train"])
 
     settings = {"source_lang": source_lang, "target_lang": target_lang, "bpe": "subword_nmt",
                 "bpe_codes": "bpe.codes", "bpe_merges": bpe_merges, "bpe_merges_learnt": learnt,
-                "tokenizer": "moses", "splits": {s: len(data[s][0]) for s in data},
+                "tokenizer": "moses", "splits": sizes,
                 "train_pairs_left_out_empty": len(dropped)}
+    if bpe_sample_lines:
+        settings["bpe_sample_lines"] = bpe_sample_lines
+    if shards > 1:
+        settings["shards"] = shards
+        settings["data"] = ":".join(os.path.join(dest, f"shard{i}") for i in range(shards))
     with open(os.path.join(dest, "prepare.json.part"), "w") as f:  # whole, or not at all
         json.dump(settings, f, indent=2)
     os.replace(os.path.join(dest, "prepare.json.part"), os.path.join(dest, "prepare.json"))
     return settings
+
+
+def binarise(dest, langs, workers, shards, train_pairs) -> None:
+    """fairseq-preprocess --joined-dictionary of DEST/text into DEST; with shards, the
+    dictionary of the whole training text first, then each shard's training text into
+    DEST/shardI with it (valid and test in shard0, and in DEST for evaluation)."""
+    text = os.path.join(dest, "text")
+    common = ["--source-lang", langs[0], "--target-lang", langs[1], "--joined-dictionary",
+              "--workers", str(workers)]
+    held_out = ["--validpref", os.path.join(text, "valid"), "--testpref",
+                os.path.join(text, "test")]
+    runs = []
+    if shards == 1:
+        runs.append(["--trainpref", os.path.join(text, "train"), *held_out, "--destdir", dest])
+    else:
+        for lang in langs:
+            streaming.split_into_shards(os.path.join(text, f"train.{lang}"), shards, train_pairs,
+                                        os.path.join(text, f"train.shard{{}}.{lang}"))
+        # (fairseq-preprocess writes no dictionary over one in its --destdir: made aside first)
+        aside = os.path.join(dest, "dictionary")
+        dictionary = ["--srcdict", os.path.join(aside, f"dict.{langs[0]}.txt")]
+        runs.append(["--trainpref", os.path.join(text, "train"), "--dict-only", "--destdir",
+                     aside])
+        runs.append([*held_out, *dictionary, "--destdir", dest])
+        for i in range(shards):
+            runs.append(["--trainpref", os.path.join(text, f"train.shard{i}"),
+                         *(held_out if i == 0 else []), *dictionary,
+                         "--destdir", os.path.join(dest, f"shard{i}")])
+    # (fairseq-preprocess keeps its own log, DEST/preprocess.log: ours is another file)
+    with open(os.path.join(dest, "prepare.log"), "w"):
+        pass
+    for args in runs:
+        run([fairseq_cli("fairseq-preprocess"), *common, *args],
+            os.path.join(dest, "prepare.log"), show=preprocess_summary,
+            echo=functools.partial(print, file=sys.stderr), append=True)
+    if shards > 1:
+        shutil.rmtree(os.path.join(dest, "dictionary"))
 
 
 def check_languages(source_lang, target_lang) -> None:
@@ -440,7 +440,13 @@ def main(argv=None):
     p.add_argument("--test", default=None, help="test prefix (default: test)")
     p.add_argument("--dest", required=True, help="output data-bin directory")
     p.add_argument("--bpe-merges", type=int, default=8000, help="number of joint BPE merges")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes for every stage (default: the cores this may use)")
+    p.add_argument("--shards", type=int, default=1,
+                   help="the training text as K data-bins DEST/shard0 ... with one dictionary "
+                        "(fairseq-train DEST/shard0:DEST/shard1:..., one shard an epoch)")
+    p.add_argument("--bpe-sample-lines", type=int, default=None, metavar="N",
+                   help="learn BPE from the first N training pairs (very large corpora)")
     p.add_argument("--force", action="store_true", help="replace an earlier preparation in --dest")
     args = p.parse_args(argv)
 
@@ -474,7 +480,7 @@ def main(argv=None):
             raw_dir = dest + ".raw"
             download(args.corpus, raw_dir)
         settings = prepare(raw_dir, dest, src, tgt, splits, args.bpe_merges, args.workers,
-                           args.force)
+                           args.force, args.shards, args.bpe_sample_lines)
     except PluginError as e:
         exit_in_one_line("annotated-prepare", e)
     print(f"prepared {dest}: " + ", ".join(f"{s} {n} pairs"

@@ -1,0 +1,270 @@
+"""annotated-prepare's text stages, streamed a chunk at a time over a pool of processes.
+
+Each stage reads its input in chunks of ``CHUNK_LINES`` lines, lets the pool's workers turn each
+chunk into output, and writes the results to disk in the input's order as they arrive, with at
+most two chunks a worker in flight. Memory holds a few chunks (and, for BPE, the training text's
+word counts: its vocabulary) whatever the corpus's size, and the output is byte for byte the
+same for any number of workers. With one worker the stages run in this process.
+
+The stages: ``scan`` (read both sides once: count the pairs, refuse text that is not UTF-8 and
+sides of different lengths, find the pairs with an empty side), ``tokenise`` (fairseq's Moses
+tokenizer; the training text's word counts on the way), ``learn_bpe`` (subword-nmt from those
+counts, as it learns from a dictionary of counts) and ``apply_bpe``.
+"""
+
+import collections
+import functools
+import gzip
+import io
+import itertools
+import multiprocessing
+import os
+import sys
+from typing import List, NamedTuple
+from unittest import mock
+
+from ..errors import PluginError
+from .common import Progress
+
+CHUNK_LINES = 2000
+
+
+class PrepareError(PluginError):
+    pass
+
+
+def text_path(path: str) -> str:
+    """PATH, or PATH.gz where only that exists."""
+    if not os.path.exists(path) and os.path.exists(path + ".gz"):
+        return path + ".gz"
+    return path
+
+
+def open_text(path):
+    """A plain or gzipped UTF-8 text file (PATH or PATH.gz), without a leading byte-order mark.
+    Lines end at "\\n" only: a carriage return inside a line (which Python's universal newlines
+    would take for a line end, misaligning a parallel corpus) stays in it, to become a space."""
+    path = text_path(path)
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="\n")
+    return open(path, encoding="utf-8-sig", newline="\n")
+
+
+def not_utf8(path) -> str:
+    """Where the first byte that is not UTF-8 stands in ``path`` (plain or gzipped)."""
+    path = text_path(path)
+    with (gzip.open(path) if path.endswith(".gz") else open(path, "rb")) as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"byte {line[e.start]:#x} at line {number}, byte {e.start + 1}"
+    return "an undecodable byte"
+
+
+def normalised_lines(path):
+    """A file's lines with tabs, carriage returns and runs of spaces made one space, edges
+    stripped; one line for a file that cannot be read as UTF-8 text."""
+    try:
+        with open_text(path) as f:
+            for line in f:
+                yield " ".join(line.split())
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{text_path(path)} is not UTF-8 text ({not_utf8(path)}); convert "
+                           f"it, e.g. iconv -f latin1 -t utf-8") from e
+    except (OSError, EOFError) as e:  # a directory, a truncated or false .gz, ...
+        raise PrepareError(f"cannot read {text_path(path)} ({e}); give plain or gzipped UTF-8 "
+                           f"text") from e
+
+
+class Scan(NamedTuple):
+    pairs: int  # all lines
+    kept: int  # pairs with both sides
+    empty_lines: List[int]  # the first line numbers (from 1) of pairs with an empty side
+
+
+def scan(paths) -> Scan:
+    """Read a parallel corpus once: how many pairs, and which have an empty side; one line for
+    sides of different lengths."""
+    pairs, empty = 0, []
+    for pairs, (a, b) in enumerate(itertools.zip_longest(*map(normalised_lines, paths)), 1):
+        if a is None or b is None:
+            counts = [sum(1 for _ in normalised_lines(p)) for p in paths]
+            raise PrepareError(f"{paths[0]} has {counts[0]} lines but {paths[1]} has "
+                               f"{counts[1]}: parallel files must be aligned line by line")
+        if not a or not b:
+            empty.append(pairs)
+    return Scan(pairs, pairs - len(empty), empty)
+
+
+def chunks(lines, size: int = 0):
+    """Lists of ``size`` (default CHUNK_LINES) items, the last one shorter."""
+    size = size or CHUNK_LINES
+    iterator = iter(lines)
+    while True:
+        chunk = list(itertools.islice(iterator, size))
+        if not chunk:
+            return
+        yield chunk
+
+
+def pair_chunks(paths, drop_empty: bool, size: int = 0):
+    """(source lines, target lines) chunks of a scanned corpus, without the pairs with an empty
+    side where ``drop_empty``."""
+    pairs = zip(*map(normalised_lines, paths))
+    if drop_empty:
+        pairs = ((a, b) for a, b in pairs if a and b)
+    for chunk in chunks(pairs, size):
+        yield [a for a, _ in chunk], [b for _, b in chunk]
+
+
+class InProcess:
+    """The pool's interface, run in this process (one worker)."""
+
+    class Done:
+        def __init__(self, value):
+            self.value = value
+
+        def get(self):
+            return self.value
+
+    def apply_async(self, function, args):
+        return self.Done(function(*args))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def pool(workers: int):
+    """``workers`` processes (a context manager that stops them on leaving, on an interrupt
+    too), or this process for one."""
+    return InProcess() if workers == 1 else multiprocessing.Pool(workers)
+
+
+def in_order(workers_pool, function, items, window: int):
+    """``function(item)`` of each item on the pool, yielded in the items' order, with at most
+    ``window`` items in flight (the input is read no faster than the workers work)."""
+    pending = collections.deque()
+    for item in items:
+        pending.append(workers_pool.apply_async(function, (item,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer(lang):
+    from .prepare import moses_tokenizer
+
+    return moses_tokenizer(lang)
+
+
+def tokenise_chunk(job):
+    """(languages, chunk of both sides, n) -> each side's tokenised text and the word counts of
+    its first n lines."""
+    langs, sides, counted = job
+    out = []
+    for lang, lines in zip(langs, sides):
+        tokenise = _tokenizer(lang)
+        tokenised = [tokenise(line) for line in lines]
+        words = collections.Counter(w for line in tokenised[:counted] for w in line.split())
+        out.append(("".join(line + "\n" for line in tokenised), words))
+    return out
+
+
+def tokenise(paths, out_paths, langs, total: int, drop_empty: bool, workers_pool, window: int,
+             desc: str, count_lines: int = 0):
+    """Tokenise a scanned corpus into ``out_paths``; the word counts of each side's first
+    ``count_lines`` lines (each side's words in the order first seen)."""
+    counts = [collections.Counter(), collections.Counter()]
+
+    def jobs():
+        left = count_lines
+        for sides in pair_chunks(paths, drop_empty):
+            counted = min(left, len(sides[0]))
+            left -= counted
+            yield langs, sides, counted
+
+    files = [open(p, "w", encoding="utf-8") for p in out_paths]
+    try:
+        with Progress(desc, total) as shown:
+            for result in in_order(workers_pool, tokenise_chunk, jobs(), window):
+                for f, counter, (text, words) in zip(files, counts, result):
+                    f.write(text)
+                    counter.update(words)
+                shown.update(text.count("\n"))
+    finally:
+        for f in files:
+            f.close()
+    return counts
+
+
+class CountingMerges:
+    """The file subword-nmt's learn_bpe writes its merges to, counting them for Progress (in a
+    log, where subword-nmt's own bar would be one line of carriage returns)."""
+
+    def __init__(self, out, shown: Progress):
+        self.out, self.shown = out, shown
+
+    def write(self, text: str) -> None:
+        self.out.write(text)
+        if not text.startswith("#"):  # "#version: 0.2" comes first
+            self.shown.update(text.count("\n"))
+
+
+def learn_bpe(counts, merges: int, desc: str) -> str:
+    """Joint BPE codes learnt by subword-nmt from word counts (source side's words first, then
+    the target's new ones, each in the order first seen: the order, and so the merges, that
+    learning from the text itself gives)."""
+    from subword_nmt import learn_bpe as subword_nmt
+
+    joint = collections.Counter()
+    for counter in counts:
+        joint.update(counter)
+    vocabulary = io.StringIO("".join(f"{w} {n}\n" for w, n in joint.items()))
+    codes = io.StringIO()
+    if sys.stderr.isatty():  # subword-nmt draws its own bar
+        subword_nmt.learn_bpe(vocabulary, codes, merges, is_dict=True)
+    else:  # our lines instead of its bar (one line of carriage returns in a log)
+        without_bar = lambda iterable, *args, **kwargs: iterable  # noqa: E731
+        with Progress(desc, merges, "merges") as shown, \
+                mock.patch.object(subword_nmt, "tqdm", without_bar):
+            subword_nmt.learn_bpe(vocabulary, CountingMerges(codes, shown), merges, is_dict=True)
+    return codes.getvalue()
+
+
+_bpe = None  # (codes, subword-nmt's BPE of them): each worker makes it once
+
+
+def bpe_chunk(job):
+    codes, lines = job
+    global _bpe
+    if _bpe is None or _bpe[0] != codes:
+        from subword_nmt.apply_bpe import BPE
+
+        _bpe = (codes, BPE(io.StringIO(codes)))
+    return "".join(_bpe[1].process_line(line.rstrip("\n")) + "\n" for line in lines)
+
+
+def apply_bpe(codes: str, in_path: str, out_path: str, total: int, workers_pool, window: int,
+              desc: str) -> None:
+    with open(in_path, encoding="utf-8", newline="\n") as f, \
+            open(out_path, "w", encoding="utf-8") as out, Progress(desc, total) as shown:
+        jobs = ((codes, chunk) for chunk in chunks(f))
+        for text in in_order(workers_pool, bpe_chunk, jobs, window):
+            out.write(text)
+            shown.update(text.count("\n"))
+
+
+def split_into_shards(path: str, shards: int, total: int, out_pattern: str) -> None:
+    """PATH's lines into ``shards`` files of consecutive lines (out_pattern.format(i))."""
+    bounds = [total * i // shards for i in range(shards + 1)]
+    with open(path, encoding="utf-8", newline="\n") as f:
+        for i in range(shards):
+            with open(out_pattern.format(i), "w", encoding="utf-8") as out:
+                out.writelines(itertools.islice(f, bounds[i + 1] - bounds[i]))
+
