@@ -87,6 +87,39 @@ def numeric_arrays_allowed():
     return contextlib.nullcontext()
 
 
+def omegaconf_globals() -> list:
+    """What unpickling a DictConfig made from a plain dict takes (fairseq's loaded checkpoint
+    state holds its configuration as one)."""
+    import collections
+    import typing
+
+    from omegaconf import DictConfig, ListConfig, base, nodes
+
+    return [DictConfig, ListConfig, base.ContainerMetadata, base.Metadata, nodes.AnyNode,
+            typing.Any, dict, list, int, collections.defaultdict]
+
+
+def broadcast_reads_fairseq_state(broadcast_object_slow):
+    """fairseq.distributed.utils._broadcast_object_slow (fairseq_changes.py): rank 0 sends the
+    checkpoint state it loaded to the other ranks as torch.save's bytes, which they unpickle
+    with torch's default loader, restricted from torch 2.6 on; they may take its DictConfig and
+    numpy arrays (nothing else beyond tensors and plain data)."""
+    if not HAS_SCOPED_ALLOWLIST:
+        return broadcast_object_slow
+
+    from fairseq.distributed import utils as distributed_utils
+
+    @functools.wraps(broadcast_object_slow)
+    def wrapper(*args, **kwargs):
+        # (fairseq sends the tensors apart, each in the state as a _TensorPlaceholder)
+        allowed = (omegaconf_globals() + NUMERIC_ARRAY_GLOBALS + CHECKPOINT_SAFE_GLOBALS
+                   + [distributed_utils._TensorPlaceholder])
+        with torch.serialization.safe_globals(allowed):
+            return broadcast_object_slow(*args, **kwargs)
+
+    return wrapper
+
+
 def load_plain(path: str) -> dict:
     """A checkpoint's raw contents, unpickled as restrictively as this torch allows: with
     ``weights_only`` where the allowlist exists, else with torch's (and fairseq's) default."""

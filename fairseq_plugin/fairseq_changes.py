@@ -44,6 +44,10 @@ CHANGES = (
            "checkpoints:explain_unreadable_checkpoints",
            "fairseq 0.12 answers a truncated or damaged checkpoint with a zip reader's "
            "traceback; also allows the numpy arrays of --eval-bleu's saved counts"),
+    Change("ranks_receive_the_loaded_checkpoint", "fairseq.distributed.utils",
+           "_broadcast_object_slow", "checkpoints:broadcast_reads_fairseq_state",
+           "on torch >= 2.6 the other ranks refuse the DictConfig in the checkpoint state rank 0 "
+           "loads and broadcasts: resuming with several ranks fails (fairseq 0.12, fairseq-fixed)"),
     Change("checkpoint_copies_whole", "fairseq.checkpoint_utils", "PathManager",
            "checkpoints:whole_copies",
            "fairseq 0.12's save_checkpoint copies the first file to checkpoint_last.pt and "

@@ -21,6 +21,8 @@ NEEDED = {
         "test_fairseq_changes.py::test_torch_loads_a_fairseq_namespace_only_with_the_allowlist",
     "damaged_checkpoint_in_one_line":
         "test_fairseq_changes.py::test_a_damaged_checkpoint_is_one_line_only_with_the_change",
+    "ranks_receive_the_loaded_checkpoint":
+        "test_fairseq_changes.py::test_other_ranks_unpickle_the_loaded_state_only_with_the_change",
     "checkpoint_copies_whole":
         "test_preemption.py::test_a_copy_killed_midway_leaves_the_old_checkpoint_whole",
     "resume_from_newest_whole_checkpoint":
@@ -122,3 +124,34 @@ def test_interactive_skips_an_empty_line_only_with_the_change(tmp_path, capsys):
         assert ids() == [0, 1, 2]  # the empty line "translated"
     assert ids() == [0, 2]
     assert "skipped an empty input line" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not checkpoints.HAS_SCOPED_ALLOWLIST,
+                    reason="torch < 2.5 loads without weights_only by default")
+def test_other_ranks_unpickle_the_loaded_state_only_with_the_change(monkeypatch):
+    """What a rank other than 0 does with the state rank 0 loaded and broadcast (fairseq's
+    load_checkpoint_to_cpu makes its cfg a DictConfig), the broadcast itself stubbed."""
+    import io
+
+    from fairseq.distributed import utils as distributed_utils
+
+    state = {"cfg": OmegaConf.create({"model": {"_name": "annotated_transformer", "n": [1, 2]}}),
+             "model": {"w": torch.zeros(3)}}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+
+    def broadcast(tensor, src, group):  # what rank 0 sends: the length, then the bytes
+        data = buffer.getvalue()
+        tensor.copy_(torch.tensor([len(data)]) if tensor.numel() == 1 and tensor.dtype ==
+                     torch.int64 else torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    monkeypatch.setattr(distributed_utils, "broadcast", broadcast)
+    monkeypatch.setattr(distributed_utils, "get_rank", lambda group: 1)
+    receive = lambda: distributed_utils._broadcast_object_slow(None, 0, None,  # noqa: E731
+                                                               torch.device("cpu"))
+    with fairseq_changes.removed("ranks_receive_the_loaded_checkpoint"):
+        with pytest.raises(Exception, match="Unsupported global"):
+            receive()
+    received = receive()
+    assert received["cfg"].model.n == [1, 2] and torch.equal(received["model"]["w"],
+                                                              torch.zeros(3))

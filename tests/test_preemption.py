@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conftest import PLUGIN_DIR, cli, reverse_data_bin
+from test_distributed import free_port, torchrun_node
 from fairseq_plugin import PluginError, checkpoints, fairseq_changes, preemption
 
 UPDATES = 40  # about 4 epochs of 10 updates: a stop falls within an epoch or at its end
@@ -201,3 +202,33 @@ def test_a_copy_killed_midway_leaves_the_old_checkpoint_whole(tmp_path, monkeypa
     with fairseq_changes.removed("checkpoint_copies_whole"), pytest.raises(KeyboardInterrupt):
         checkpoint_utils.PathManager.copy(str(new), str(last), overwrite=True)
     assert not checkpoints.is_whole(str(last))
+
+
+def test_sigterm_to_torchrun_ranks_saves_once_at_one_update_and_they_resume(data_bin, tmp_path):
+    """A scheduler's SIGTERM to both nodes' torchrun (which passes it to its rank): the ranks agree
+    on one update, rank 0 saves there, both exit; torchrun again resumes from it."""
+    save, port = tmp_path / "ddp", free_port()
+    args = command(data_bin, save, "--max-update", str(UPDATES))
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    nodes = [torchrun_node(r, 2, 1, port, args, logs[r], env=ENV) for r in (0, 1)]
+    deadline = time.monotonic() + 300
+    while max(updates_logged(logs[0].read_text()), default=0) < 5:
+        assert nodes[0].poll() is None and time.monotonic() < deadline, logs[0].read_text()[-3000:]
+        time.sleep(0.01)
+    for node in nodes:
+        node.send_signal(signal.SIGTERM)
+    for node in nodes:
+        node.wait(timeout=120)
+    out = logs[0].read_text()
+    saved = [line for line in out.splitlines() if line.startswith("fairseq_plugin: SIGTERM")]
+    assert len(saved) == 1, out[-3000:]
+    at = int(saved[0].split(" at update ")[1].split()[0])
+    assert at == max(updates_logged(out))
+    assert torch.load(save / "checkpoint_last.pt", weights_only=False)[
+        "optimizer_history"][-1]["num_updates"] == at
+
+    port = free_port()
+    nodes = [torchrun_node(r, 2, 1, port, args, logs[r], env=ENV) for r in (0, 1)]
+    for node, log in zip(nodes, logs):
+        assert node.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert sorted(updates_logged(logs[0].read_text())) == list(range(at + 1, UPDATES + 1))

@@ -191,12 +191,12 @@ def tokenise(paths, out_paths, langs, total: int, drop_empty: bool, workers_pool
 
     files = [open(p, "w", encoding="utf-8") for p in out_paths]
     try:
-        with Progress(desc, total) as shown:
+        with Progress(desc, total, "pairs") as shown:
             for result in in_order(workers_pool, tokenise_chunk, jobs(), window):
                 for f, counter, (text, words) in zip(files, counts, result):
                     f.write(text)
                     counter.update(words)
-                shown.update(text.count("\n"))
+                shown.update(text.count("\n"))  # (both sides have as many lines)
     finally:
         for f in files:
             f.close()
