@@ -150,3 +150,33 @@ def test_a_plain_and_a_gzipped_copy_of_one_side_are_refused_as_ambiguous(tmp_pat
     with pytest.raises(prepare.PrepareError, match=r"both .*train.de and .*train.de.gz are "
                                                    r"there: which is the corpus\? Move one away"):
         prepare.prepare(raw, str(tmp_path / "bin"), "de", "en", SPLITS, 300, workers=1)
+
+
+def test_a_killed_command_leaves_no_child_running(tmp_path):
+    """annotated-prepare (or -evaluate) killed by SIGKILL while fairseq-preprocess (or
+    -generate) runs: the child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and stops."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    parent = ("import sys; from fairseq_plugin.cli.common import run; "
+              f"run([sys.executable, '-c', {child!r}], {str(tmp_path / 'log')!r})")
+    proc = subprocess.Popen([sys.executable, "-c", parent], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{grandchild}") and time.monotonic() < deadline:
+        with open(f"/proc/{grandchild}/stat") as f:  # a zombie until init reaps it
+            if f.read().split(") ")[1].startswith("Z"):
+                break
+        time.sleep(0.05)
+    else:
+        assert not os.path.exists(f"/proc/{grandchild}"), "the child still runs"
