@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys

@@ -27,7 +27,7 @@ import urllib.request
 from ..errors import PluginError, exit_in_one_line
 from . import streaming
 from .common import fairseq_cli, run
-from .streaming import PrepareError, open_text  # noqa: F401  (the corpus readers' errors)
+from .streaming import PrepareError
 
 # name -> languages, split prefixes, download (url template by file) or bundled directory
 CORPORA = {
