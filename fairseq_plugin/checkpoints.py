@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import errno
 import functools
+import glob
 import os
 import pickle
 import shutil
@@ -146,17 +147,22 @@ def check_output_file(path: str, force: bool, example: str, inputs=()) -> None:
         raise PluginError(f"{path} already exists; choose another output or pass --force")
 
 
-def save_whole(state: dict, path: str) -> None:
-    """torch.save ``state`` to ``path`` whole or not at all: written to PATH.tmp (its folder
-    made if need be), then renamed; a failed write leaves no PATH.tmp behind."""
+def write_whole(path: str, write) -> None:
+    """``write(tmp)`` writes the file, then it is renamed to ``path``: whole or not at all (its
+    folder made if need be); a failed write leaves no PATH.tmp behind."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     try:
-        torch.save(state, tmp)
+        write(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def save_whole(state: dict, path: str) -> None:
+    """torch.save ``state`` to ``path`` whole or not at all."""
+    write_whole(path, functools.partial(torch.save, state))
 
 
 
@@ -186,13 +192,7 @@ class _WholeCopies:
             return self._path_manager.copy(src_path, dst_path, overwrite, **kwargs)
         if os.path.exists(dst_path) and not overwrite:
             return False
-        tmp = dst_path + ".tmp"
-        try:
-            shutil.copyfile(src_path, tmp)
-            os.replace(tmp, dst_path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        write_whole(dst_path, functools.partial(shutil.copyfile, src_path))
         return True
 
 
@@ -226,10 +226,32 @@ def _raised_by_torch_load(exc: BaseException) -> bool:
                for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
+def newest_whole_checkpoint(folder: str, but: str = ""):
+    """The most recently written whole checkpoint*.pt in ``folder`` other than ``but``."""
+    paths = [p for p in glob.glob(os.path.join(folder, "checkpoint*.pt"))
+             if not (but and os.path.exists(but) and os.path.samefile(p, but))]
+    for path in sorted(paths, key=os.path.getmtime, reverse=True):
+        if is_whole(path):
+            return path
+    return None
+
+
+def instead(path: str) -> str:
+    """What to use instead of a damaged checkpoint: the newest whole one beside it, if any."""
+    newest = newest_whole_checkpoint(os.path.dirname(os.path.abspath(path)), but=path)
+    if newest:
+        return f"use another one: the newest whole checkpoint beside it is {newest}"
+    return "use another one (e.g. checkpoint_best.pt or an earlier checkpointN.pt)"
+
+
 def explain_unreadable_checkpoints(load):
     """Wrap fairseq's ``load_checkpoint_to_cpu`` so a damaged file gives one clear line."""
     @functools.wraps(load)
     def load_checkpoint_to_cpu(path, *args, **kwargs):
+        local_zip = isinstance(path, str) and os.path.isfile(path) and zipfile.is_zipfile(path)
+        if local_zip and not is_whole(path):  # torch would read changed tensor bytes silently
+            raise PluginError(f"cannot read checkpoint {path} (a record fails its CRC-32 "
+                              f"check): the file is damaged or incomplete; {instead(path)}")
         try:
             with numeric_arrays_allowed():
                 return load(path, *args, **kwargs)
@@ -242,9 +264,8 @@ def explain_unreadable_checkpoints(load):
                 raise
             first = ("not the zip archive torch writes" if not_a_zip
                      else (str(e).strip().splitlines() or [type(e).__name__])[0])
-            raise PluginError(
-                f"cannot read checkpoint {path} ({first}): the file is damaged or incomplete; "
-                f"use another one (e.g. checkpoint_best.pt or an earlier checkpointN.pt)") from e
+            raise PluginError(f"cannot read checkpoint {path} ({first}): the file is damaged or "
+                              f"incomplete; {instead(path)}") from e
 
     return load_checkpoint_to_cpu
 

@@ -13,7 +13,6 @@
 """
 
 import functools
-import glob
 import os
 import signal
 import sys
@@ -21,7 +20,7 @@ import threading
 
 import torch
 
-from .checkpoints import is_whole
+from .checkpoints import is_whole, newest_whole_checkpoint
 from .errors import PluginError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -103,16 +102,6 @@ def save_patience_too(save_checkpoint):
         return save_checkpoint(self, filename, extra_state)
 
     return wrapper
-
-
-def newest_whole_checkpoint(save_dir: str, but: str):
-    """The most recently written whole checkpoint*.pt in ``save_dir`` other than ``but``."""
-    paths = [p for p in glob.glob(os.path.join(save_dir, "checkpoint*.pt"))
-             if not os.path.samefile(p, but)]
-    for path in sorted(paths, key=os.path.getmtime, reverse=True):
-        if is_whole(path):
-            return path
-    return None
 
 
 def resume_from_newest_whole(load_checkpoint):

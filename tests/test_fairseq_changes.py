@@ -82,6 +82,25 @@ def test_a_damaged_checkpoint_is_one_line_only_with_the_change(tmp_path):
         checkpoint_utils.load_checkpoint_to_cpu(str(path))
 
 
+def test_a_checkpoint_with_changed_bytes_is_found_at_load_and_the_newest_whole_one_named(
+        tmp_path):
+    """torch itself reads a changed tensor byte without a word; the zip's CRC-32 finds it."""
+    from fairseq import checkpoint_utils
+
+    older, path = tmp_path / "checkpoint1.pt", tmp_path / "checkpoint_last.pt"
+    for p in (older, path):
+        torch.save({"model": {"w": torch.zeros(1000)}}, p)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert torch.load(path)["model"]["w"].abs().sum() > 0  # loads, silently changed
+    with pytest.raises(PluginError) as error:
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    assert str(error.value) == (f"cannot read checkpoint {path} (a record fails its CRC-32 "
+                                f"check): the file is damaged or incomplete; use another one: "
+                                f"the newest whole checkpoint beside it is {older}")
+
+
 def test_a_plugin_error_is_one_line_only_with_the_excepthook(capsys):
     error = PluginError("what is wrong; how to fix it")
     with fairseq_changes.removed("one_line_errors"):
