@@ -1,8 +1,9 @@
 """A stopped or pre-empted fairseq-train loses nothing (fairseq_changes.py installs these).
 
-- SIGTERM, SIGUSR1 (a scheduler's notice of preemption) and SIGINT (Ctrl-C): after the update in
-  flight, every rank agrees to stop at the same update, checkpoint_last.pt is saved there, one
-  line says so, and the run exits with 128 + the signal's number. The same command resumes from
+- SIGTERM, SIGUSR1 (a scheduler's notice of preemption) and SIGINT (Ctrl-C), once training has
+  made its first update: after the update in flight, every rank agrees to stop at the same
+  update, checkpoint_last.pt is saved there, one line says so, and the run exits with 128 + the
+  signal's number. The same command resumes from
   that update: fairseq's checkpoint holds the LR schedule's state and the position within the
   epoch; the early-stopping counter (--patience) is saved beside them. A second signal stops at
   once, without saving. A signal at an epoch's last update saves without that epoch's validation.
@@ -29,6 +30,10 @@ _received = []  # the stop signals received, in order
 
 
 def _on_stop_signal(signum, frame):
+    if os.getpid() != _catching[0]:  # a forked child (a data or pool worker): as by default
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     if _received:
         sys.stderr.write(f"fairseq_plugin: {signal.Signals(signum).name} again: stopping now, "
                          f"without saving\n")
@@ -37,9 +42,15 @@ def _on_stop_signal(signum, frame):
     _received.append(signum)
 
 
+_catching = [0]  # the process whose stop signals set the flag
+
+
 def catch_stop_signals() -> None:
-    """Stop signals only set a flag (main thread: where Python runs signal handlers)."""
-    if threading.current_thread() is threading.main_thread():
+    """Stop signals only set a flag, in this process (from its main thread: where Python runs
+    signal handlers). Called once training has made its first update: before, a signal stops
+    the run as it would without the plugin, losing no more than that update."""
+    if _catching[0] != os.getpid() and threading.current_thread() is threading.main_thread():
+        _catching[0] = os.getpid()
         for signum in STOP_SIGNALS:
             signal.signal(signum, _on_stop_signal)
 
@@ -60,10 +71,9 @@ def save_when_signalled(validate_and_save):
     """fairseq-train's ``validate_and_save``, called after every update (fairseq_changes.py)."""
     from fairseq import checkpoint_utils
 
-    catch_stop_signals()
-
     @functools.wraps(validate_and_save)
     def wrapper(cfg, trainer, task, epoch_itr, valid_subsets, end_of_epoch):
+        catch_stop_signals()
         signum = agreed_stop_signal(trainer)
         if not signum:
             return validate_and_save(cfg, trainer, task, epoch_itr, valid_subsets, end_of_epoch)

@@ -232,3 +232,17 @@ def test_sigterm_to_torchrun_ranks_saves_once_at_one_update_and_they_resume(data
     for node, log in zip(nodes, logs):
         assert node.wait(timeout=300) == 0, log.read_text()[-3000:]
     assert sorted(updates_logged(logs[0].read_text())) == list(range(at + 1, UPDATES + 1))
+
+
+def test_processes_forked_after_the_handlers_stop_on_sigterm_as_by_default(tmp_path):
+    """A pool's or data loader's workers forked from a training process inherit its handlers;
+    they must still stop when terminated (else a pool waits for them forever)."""
+    code = ("import multiprocessing, time\n"
+            "from fairseq_plugin import preemption\n"
+            "preemption.catch_stop_signals()\n"
+            "worker = multiprocessing.get_context('fork').Process(target=time.sleep, args=(30,))\n"
+            "worker.start(); time.sleep(0.5); worker.terminate(); worker.join(10)\n"
+            "print(worker.exitcode)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.stdout == f"{-signal.SIGTERM}\n", (proc.stdout, proc.stderr[-2000:])
