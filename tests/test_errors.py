@@ -64,7 +64,7 @@ def test_the_plugins_own_commands_show_the_traceback_on_request(command, tmp_pat
     assert "Traceback (most recent call last)" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "fairseq_plugin.errors.PluginError: " if command != "annotated-prepare" else
-        "fairseq_plugin.cli.prepare.PrepareError: ")
+        "fairseq_plugin.cli.streaming.PrepareError: ")
 
 
 def test_a_program_of_the_users_keeps_the_traceback_of_a_missing_file():

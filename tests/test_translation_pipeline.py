@@ -59,9 +59,10 @@ def prepared(tmp_path_factory):
 def test_prepare_shows_each_step_of_its_work_in_a_log(prepared):
     w, _ = prepared
     lines = (w / "prepare.stderr").read_text().splitlines()
-    for step in [f"{verb} {split}.{lang}: {n:,} lines in " for verb in ("tokenise", "apply BPE")
-                 for split, n in (("train", 3000), ("valid", 60), ("test", 60))
-                 for lang in ("de", "en")] + ["learn joint BPE on train.de + train.en: 500 merges in "]:
+    splits = (("train", 3000), ("valid", 60), ("test", 60))
+    for step in [f"tokenise {split}: {n:,} pairs in " for split, n in splits] + [
+            f"apply BPE {split}.{lang}: {n:,} lines in " for split, n in splits
+            for lang in ("de", "en")] + ["learn joint BPE on train.de + train.en: 500 merges in "]:
         assert any(line.startswith(step) for line in lines), step
     assert b"\r" not in (w / "prepare.stderr").read_bytes()  # no bar drawn into the log
     binarised = [line for line in lines if line.startswith("  fairseq-preprocess [")]
@@ -788,7 +789,7 @@ def test_prepare_keeps_pairs_aligned_across_carriage_returns_and_leaves_out_empt
     ({"workers": 0}, "--workers 0: give at least 1 process"),
     ({"directory": "train.de"}, "cannot read {raw}/train.de ([Errno 21] Is a directory: "
                                 "'{raw}/train.de'); give plain or gzipped UTF-8 text"),
-    ({"false_gz": "train.de"}, "cannot read {raw}/train.de (Not a gzipped file (b'Er')); give "
+    ({"false_gz": "train.de"}, "cannot read {raw}/train.de.gz (Not a gzipped file (b'Er')); give "
                                "plain or gzipped UTF-8 text"),
 ])
 def test_prepare_refuses_bad_languages_workers_and_unreadable_files_before_writing(

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import urllib.request
 
 from ..errors import PluginError, exit_in_one_line
@@ -65,7 +66,7 @@ MARKER = ".annotated-prepare"  # written first into DEST: --force replaces only 
 # splits (train.de-en.de.bin, valid1.de-en.en.idx, ...; its workers' parts, train.de-en.de.pt1.bin,
 # when it stopped before merging them) and log
 PREPARATION_ENTRY = re.compile(
-    r"\.annotated-prepare|prepare\.json|prepare\.log|bpe\.codes|text|raw|tokenised|dictionary"
+    r"\.annotated-prepare|prepare\.json|prepare\.log|bpe\.codes|text|raw|dictionary"
     r"|shard\d+"
     r"|preprocess\.log"
     r"|dict\.[^.]+\.txt"
@@ -297,12 +298,15 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
     the training text binarised as DEST/shard0 ... (valid and test in shard0 and DEST), one
     dictionary, for fairseq-train DEST/shard0:DEST/shard1:... . ``bpe_sample_lines``: BPE learnt
     from the first N training pairs."""
-    workers = workers or usable_cores()
-    for option, value, least in (("--bpe-merges", bpe_merges, 1), ("--workers", workers, 1),
-                                 ("--shards", shards, 1), ("--bpe-sample-lines",
-                                                           bpe_sample_lines or 1, 1)):
-        if value < least:
-            raise PrepareError(f"{option} {value}: give at least {least}")
+    workers = usable_cores() if workers is None else workers
+    if bpe_merges < 1:
+        raise PrepareError(f"--bpe-merges {bpe_merges}: give a number of merges of at least 1")
+    if workers < 1:
+        raise PrepareError(f"--workers {workers}: give at least 1 process")
+    if shards < 1:
+        raise PrepareError(f"--shards {shards}: give at least 1 shard")
+    if bpe_sample_lines is not None and bpe_sample_lines < 1:
+        raise PrepareError(f"--bpe-sample-lines {bpe_sample_lines}: give at least 1 line")
     check_languages(source_lang, target_lang)
     replace = check_destination(dest, raw_dir, force)
     langs = (source_lang, target_lang)
@@ -322,24 +326,15 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
         raise PrepareError(f"--shards {shards}: more shards than the {sizes['train']} training "
                            f"pairs")
 
-    if replace:  # only once the input is known to be good
-        remove_earlier_preparation(dest)
-    os.makedirs(dest, exist_ok=True)
-    open(os.path.join(dest, MARKER), "w").close()
-    text, raw, tokenised = (os.path.join(dest, d) for d in ("text", "raw", "tokenised"))
-    for folder in (text, raw, tokenised):
-        os.makedirs(folder)
-    # raw valid/test text: the references for detokenised sacreBLEU
-    for split in ("valid", "test"):
-        for lang, path in zip(langs, paths[split]):
-            with open(os.path.join(raw, f"{split}.{lang}"), "w", encoding="utf-8") as f:
-                f.writelines(line + "\n" for line in streaming.normalised_lines(path))
-
     window = 2 * workers
-    with streaming.pool(workers) as workers_pool:
+    # the tokenised text beside DEST until BPE is learnt: DEST stays untouched until then
+    parent = os.path.dirname(os.path.abspath(dest))
+    os.makedirs(parent, exist_ok=True)
+    with streaming.pool(workers) as workers_pool, tempfile.TemporaryDirectory(
+            prefix=os.path.basename(os.path.abspath(dest)) + ".tokenised-", dir=parent) as tok:
         for split, pair in paths.items():
             counts = streaming.tokenise(
-                pair, [os.path.join(tokenised, f"{split}.{lang}") for lang in langs], langs,
+                pair, [os.path.join(tok, f"{split}.{lang}") for lang in langs], langs,
                 sizes[split], split == "train", workers_pool, window, f"tokenise {split}",
                 count_lines=(min(bpe_sample_lines or sizes["train"], sizes["train"])
                              if split == "train" else 0))
@@ -353,14 +348,26 @@ def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, wo
         if learnt < bpe_merges:
             print(f"BPE learnt {learnt} of the {bpe_merges} merges asked for: no other pair of "
                   f"symbols occurs twice in the training text", file=sys.stderr, flush=True)
+
+        if replace:  # only once the input is known to be good
+            remove_earlier_preparation(dest)
+        os.makedirs(dest, exist_ok=True)
+        open(os.path.join(dest, MARKER), "w").close()
+        text, raw = os.path.join(dest, "text"), os.path.join(dest, "raw")
+        os.makedirs(text)
+        os.makedirs(raw)
+        # raw valid/test text: the references for detokenised sacreBLEU
+        for split in ("valid", "test"):
+            for lang, path in zip(langs, paths[split]):
+                with open(os.path.join(raw, f"{split}.{lang}"), "w", encoding="utf-8") as f:
+                    f.writelines(line + "\n" for line in streaming.normalised_lines(path))
         with open(os.path.join(dest, "bpe.codes"), "w", encoding="utf-8") as f:
             f.write(codes)
         for split in paths:
             for lang in langs:
-                streaming.apply_bpe(codes, os.path.join(tokenised, f"{split}.{lang}"),
+                streaming.apply_bpe(codes, os.path.join(tok, f"{split}.{lang}"),
                                     os.path.join(text, f"{split}.{lang}"), sizes[split],
                                     workers_pool, window, f"apply BPE {split}.{lang}")
-    shutil.rmtree(tokenised)
     binarise(dest, langs, workers, shards, sizes["train"])
 
     settings = {"source_lang": source_lang, "target_lang": target_lang, "bpe": "subword_nmt",
