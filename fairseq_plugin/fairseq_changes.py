@@ -67,8 +67,8 @@ CHANGES = (
            "update since the last save"),
     Change("launchers_environment_on_cpu", "fairseq.distributed.utils", "call_main",
            "launch:world_from_launcher",
-           "fairseq 0.12 on CPUs under torchrun or srun trains each rank alone with its default "
-           "world size 1, or divides by torch.cuda.device_count() (fairseq #4302, #4164)"),
+           "fairseq 0.12 on CPUs under torchrun or srun trains each rank alone (world size 1), "
+           "divides by torch.cuda.device_count(), or asks for NCCL (fairseq #4302, #4164)"),
     Change("one_line_errors", "sys", "excepthook", "errors:print_plugin_errors_as_one_line",
            "fairseq's commands answer a user's mistake (a missing file, a bad option) with a "
            "traceback"),

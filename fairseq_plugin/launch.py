@@ -1,10 +1,11 @@
 """torchrun and SLURM's srun start fairseq-train's ranks on CPUs as they do on GPUs.
 
 fairseq 0.12 reads a launcher's environment only with GPUs in mind (fairseq #4302, #4164):
-under torchrun it returns early when its default world size (the CUDA device count, at least 1)
-is 1, so every rank trains alone, silently; given a world size it computes
+fairseq-fixed 0.12.3 under torchrun returns early when its default world size (the CUDA device
+count, at least 1) is 1, so every rank trains alone, silently; given a world size it computes
 ``rank % torch.cuda.device_count()`` (ZeroDivisionError on a CPU); under srun it takes the ranks
-per node from the same count. With the plugin loaded, ``call_main`` first reads the launcher's
+per node from the same count. fairseq 0.12.2 takes torchrun's world but keeps NCCL and
+``pytorch_ddp``, which need GPUs. With the plugin loaded, ``call_main`` first reads the launcher's
 environment (fairseq_changes.py): on CPUs it sets the world from it, with gloo and fairseq's
 ``legacy_ddp`` (torch's DDP refuses a CPU model given device ids, which fairseq's
 ``pytorch_ddp`` passes); on GPUs it leaves fairseq's own behaviour, but refuses a launch in which

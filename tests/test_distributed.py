@@ -9,6 +9,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import fairseq
 import pytest
 import torch
 from fairseq.distributed import utils as distributed_utils
@@ -165,7 +166,14 @@ def test_without_the_change_fairseq_trains_each_torchrun_rank_alone_on_cpus(monk
         monkeypatch.setenv(name, value)
     cfg = config()
     distributed_utils.infer_init_method(cfg.distributed_training)  # fairseq's own
-    assert cfg.distributed_training.distributed_init_method is None  # each rank alone
+    dist = cfg.distributed_training
+    if fairseq.__version__ == "0.12.2":  # the world, but NCCL and DDP's device ids: GPUs only
+        assert (dist.distributed_init_method, dist.distributed_world_size,
+                dist.distributed_backend, dist.ddp_backend) == ("env://", 2, "nccl",
+                                                                 "pytorch_ddp")
+    else:  # fairseq-fixed 0.12.3: its default world size 1 returns first: each rank alone
+        assert dist.distributed_init_method is None
+    cfg = config()
     launch.set_world(cfg)  # the change
     assert (cfg.distributed_training.distributed_world_size,
             cfg.distributed_training.distributed_rank,
