@@ -3,7 +3,7 @@ workers, and the peak resident memory of a preparation of 1x and 16x the same co
 
   python scripts/benchmark_prepare.py RAW_DIR [--copies 16] [--workers 1 2] [--work DIR]
 
-RAW_DIR holds train/valid/test.{de,en} (plain or .gz; e.g. Multi30k's or the bundled Tatoeba
+RAW_DIR holds train/valid/test*.{de,en} (plain or .gz; e.g. Multi30k's or the bundled Tatoeba
 sample, examples/tatoeba/data). Each preparation runs as a child process; its peak memory is
 read from the kernel (the largest resident set of the process and, separately, of any one of its
 children: the workers and fairseq-preprocess). Run it on an otherwise idle machine.
@@ -39,8 +39,10 @@ def copies_of(raw, copies, folder):
     os.makedirs(folder, exist_ok=True)
     for name in os.listdir(raw):
         base, path = name[:-3] if name.endswith(".gz") else name, os.path.join(raw, name)
-        if not re.fullmatch(r"(train|valid|test)\.\w+", base):
+        match = re.fullmatch(r"(train|valid|test)\w*\.(\w+)", base)
+        if not match:
             continue
+        base = f"{match[1]}.{match[2]}"  # Multi30k's test2016.de is the test set
         with (gzip.open(path, "rb") if name.endswith(".gz") else open(path, "rb")) as f:
             data = f.read()
         with open(os.path.join(folder, base), "wb") as out:
