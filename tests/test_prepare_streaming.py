@@ -82,6 +82,7 @@ def stages_peak(raw, dest, langs=("de", "en")):
             tracemalloc.stop()
 
 
+@pytest.mark.main_lane  # (the plugin's own code, whatever fairseq's version)
 def test_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch):
     """16 copies of a corpus: 16 times the text, the same vocabulary."""
     monkeypatch.setattr(streaming, "CHUNK_LINES", 200)
@@ -96,6 +97,7 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch):
     assert sixteen - once < 0.5 * text  # holding the text would add several times its size
 
 
+@pytest.mark.main_lane  # (the plugin's own code, whatever fairseq's version)
 def test_bpe_from_a_sample_is_bpe_learnt_from_those_lines(tmp_path):
     raw = raw_corpus(tmp_path / "raw", 1000)
     first = raw_corpus(tmp_path / "first", 300)
@@ -152,6 +154,7 @@ def test_a_plain_and_a_gzipped_copy_of_one_side_are_refused_as_ambiguous(tmp_pat
         prepare.prepare(raw, str(tmp_path / "bin"), "de", "en", SPLITS, 300, workers=1)
 
 
+@pytest.mark.main_lane  # (the plugin's own code, whatever fairseq's version)
 def test_a_killed_command_leaves_no_child_running(tmp_path):
     """annotated-prepare (or -evaluate) killed by SIGKILL while fairseq-preprocess (or
     -generate) runs: the child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and stops."""
