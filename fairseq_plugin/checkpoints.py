@@ -112,8 +112,10 @@ def broadcast_reads_fairseq_state(broadcast_object_slow):
 
     @functools.wraps(broadcast_object_slow)
     def wrapper(*args, **kwargs):
-        # (fairseq sends the tensors apart, each in the state as a _TensorPlaceholder)
-        allowed = (omegaconf_globals() + NUMERIC_ARRAY_GLOBALS + CHECKPOINT_SAFE_GLOBALS
+        # (fairseq sends the tensors apart, each in the state as a _TensorPlaceholder; the
+        # Namespace is allowed for the whole process already, and leaving the block would
+        # remove it again)
+        allowed = (omegaconf_globals() + NUMERIC_ARRAY_GLOBALS
                    + [distributed_utils._TensorPlaceholder])
         with torch.serialization.safe_globals(allowed):
             return broadcast_object_slow(*args, **kwargs)

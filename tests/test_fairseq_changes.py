@@ -174,3 +174,5 @@ def test_other_ranks_unpickle_the_loaded_state_only_with_the_change(monkeypatch)
     received = receive()
     assert received["cfg"].model.n == [1, 2] and torch.equal(received["model"]["w"],
                                                               torch.zeros(3))
+    # and the process-wide allowlist is as it was (a scoped one took the Namespace with it)
+    assert argparse.Namespace in torch.serialization.get_safe_globals()
