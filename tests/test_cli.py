@@ -201,8 +201,9 @@ def test_score_reference_gives_beam_search_its_scores_where_the_hypothesis_is_th
 
     searched, referenced = scores(), scores("--score-reference")
     found = [i for i, (_, ref, hyp) in generated.items() if hyp == ref]
-    # (beam search found 364 of the references after the 0.12.2 lane's 10 epochs)
-    assert len(referenced) == 500 and len(found) >= 250
+    # enough found references for the comparison to mean something: after the 0.12.2 lane's 10
+    # epochs beam search found 364 here and 227 on CI's machine (another CPU, other rounding)
+    assert len(referenced) == 500 and len(found) >= 100
     for i in found:
         assert referenced[i][1] == searched[i][1]
         assert abs(referenced[i][0] - searched[i][0]) <= 1e-4, (i, referenced[i], searched[i])
