@@ -7,7 +7,6 @@ precision.
 """
 
 import contextlib
-import inspect
 import os
 
 import pytest
@@ -17,7 +16,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import (REPO, REVERSE_SEED, BackgroundCli, build_tiny_model, cli, make_dictionary,
                       random_tokens, reverse_data_bin, sharpen)
-from fairseq_plugin.benchmark import cuda_peak, storage_peak
+from fairseq_plugin.benchmark import child, memory
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.modules import dropout
 from fairseq_plugin.modules.attention import (EXPLICIT, FUSED, NO_CUDNN, TORCH_CHOICE,
@@ -279,32 +278,9 @@ def test_training_on_cuda_uses_torch_dropout_and_the_fused_kernel(monkeypatch):
     assert (calls["cpu mask"], calls["torch dropout"]) == ((12, 0) if on_cpu else (0, 12))
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="torch.cuda's memory history needs a CUDA GPU")
-def test_memory_history_names_the_lines_live_at_the_peak_on_cuda(monkeypatch):
-    """The benchmark's profile step (cuda_peak.PeakCounter.live_at_peak_of) on torch.cuda's own
-    memory history: the peak beyond what was allocated before, by the line that allocated."""
-    # PeakCounter wraps torch.cuda.reset_peak_memory_stats; monkeypatch puts it back afterwards
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", torch.cuda.reset_peak_memory_stats)
-    counter = cuda_peak.PeakCounter()
-    kept, lines = [], []
-
-    def work():
-        lines.append(inspect.currentframe().f_lineno + 1)
-        freed = torch.empty(2 ** 20, device="cuda")  # 4 MiB
-        lines.append(inspect.currentframe().f_lineno + 1)
-        kept.append(torch.empty(2 ** 21, device="cuda"))  # 8 MiB, the peak: 12 MiB
-        del freed
-
-    peak, live = counter.live_at_peak_of(work)
-    assert peak == 12 * 2 ** 20
-    # (the line's path ends in the checkout's folder, tests/test_cuda.py)
-    assert {line.split("/", 1)[1]: n_bytes for line, n_bytes in live.items()} == {
-        f"tests/test_cuda.py:{line} work": n * 2 ** 20 for line, n in zip(lines, (4, 8))}
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="torch.cuda's allocator needs a CUDA GPU")
 def test_the_cpus_storage_count_of_a_training_step_agrees_with_torch_cudas_allocator(monkeypatch):
-    """storage_peak counts a training step's peak on the CPU (benchmark --steps-in-process) by
+    """memory.StoragePeakCounter counts a training step's peak on the CPU (benchmark --steps-in-process) by
     tensor storage; on a GPU its count of a step agrees with torch.cuda's allocator's, within
     what the allocator adds (rounding to 512-byte blocks, kernels' scratch memory)."""
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", torch.cuda.reset_peak_memory_stats)
@@ -320,8 +296,8 @@ def test_the_cpus_storage_count_of_a_training_step_agrees_with_torch_cudas_alloc
         optimizer.step()
 
     step()  # Adam's state and the kernels' set-up before the counts
-    counted = storage_peak.StoragePeakCounter().peak_of(step)
-    allocated = cuda_peak.PeakCounter().peak_of(step)
+    counted = memory.StoragePeakCounter().peak_of(step)
+    allocated = child.PeakCounter().peak_of(step)
     assert allocated > 2 ** 20
     assert 0.9 * allocated <= counted <= allocated, (counted, allocated)
 

@@ -1,11 +1,8 @@
 """annotated-benchmark: speed and memory of annotated_transformer against fairseq's transformer,
-side by side, on your hardware (main.py says what it measures and how).
+side by side, on your hardware (docs/benchmarks.md says what it measures and how).
 
-By concern: ``runs`` (fairseq's own commands: fairseq-train, fairseq-generate, and the model
-exported to CTranslate2), ``steps`` (training steps of both models in one process),
-``decoding`` (beam search in one process, the cache), ``memory`` (what a step keeps and holds:
-``cuda_peak`` on a GPU, ``storage_peak`` on the CPU), ``profiling`` (torch.profiler), ``mfu``
-(model FLOPs per token and the share of the device's peak), ``report`` (the ratio tables),
-``data`` and ``common``. ``cli_process`` runs inside fairseq's commands (with
-fairseq_changes.py's bf16 changes where asked).
+``main`` (options, the rounds) -> ``runs`` (fairseq's own commands, and CTranslate2), ``steps``
+(training steps in one process; ``memory``: what a step keeps and holds), ``decoding`` (beam
+search in one process, the cache), ``report`` (tables, MFU), ``data``; all use ``common`` (sizes,
+contestants) and ``child`` (the child process that runs one of fairseq's commands).
 """

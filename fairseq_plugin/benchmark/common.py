@@ -1,16 +1,12 @@
-"""What the benchmark's parts share: the model sizes (PRESETS), the contestants' names, the
-device a run is on (``Device``: fairseq's flags there, how its child processes are set up, how
-their peak memory is read), fairseq-train's flags for both models, and the order of alternated
-rounds."""
+"""What the benchmark's parts share: the model sizes (PRESETS), the contestants (CONTESTANTS,
+chosen with --contestants), fairseq-train's flags for them, and the order of alternated rounds."""
 
+import argparse
 import os
 import re
-import sys
+from typing import NamedTuple
 
-from . import cuda_peak
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
+from fairseq_plugin.cli.common import plugin_dir
 
 PRESETS = {  # layers, d_model, d_ff, heads
     "default": (4, 256, 1024, 4),
@@ -20,17 +16,49 @@ PRESETS = {  # layers, d_model, d_ff, heads
     "multi30k": (3, 256, 512, 8),  # examples/multi30k's model
 }
 
-
-OURS, THEIRS, BEFORE = "annotated_transformer", "transformer", "annotated_transformer@before"
-NO_PACKING = "annotated_transformer without packing"  # computing padding, as fairseq's does
-OURS_TORCH_CHOICE = "annotated_transformer torch-choice"  # --fused-attention-backends torch
-COMPILED = "annotated_transformer compiled"  # --compile-layers (--also-compiled)
-THEIRS_NO_CUDNN = "transformer without cuDNN attention"  # --also-transformer-without-cudnn
+OURS, THEIRS = "annotated_transformer", "transformer"
 
 
-def arch_of(contestant: str) -> str:
-    """The --arch a contestant trains: fairseq's transformer, or annotated_transformer."""
-    return THEIRS if contestant in (THEIRS, THEIRS_NO_CUDNN) else OURS
+class Contestant(NamedTuple):
+    """A model in the rounds: its name, its --arch, more flags, the --user-dir it comes from."""
+    name: str
+    arch: str
+    flags: tuple = ()
+    user_dir: str = plugin_dir()
+
+
+CONTESTANTS = {  # --contestants: the list's words
+    OURS: Contestant(OURS, OURS),
+    THEIRS: Contestant(THEIRS, THEIRS),
+    # its fused attention on the backend torch chooses (cuDNN on a GPU), not the default no-cudnn
+    "torch-choice": Contestant(f"{OURS} torch-choice", OURS,
+                               ("--fused-attention-backends", "torch")),
+    # the position-wise work on every position, padding included, as fairseq's transformer does
+    "without-packing": Contestant(f"{OURS} without packing", OURS, ("--no-packing",)),
+    "compiled": Contestant(f"{OURS} compiled", OURS, ("--compile-layers",)),
+}
+BEFORE = "before="  # before=PLUGIN_DIR: the annotated_transformer of another checkout
+
+
+def contestants(text: str):
+    """An argparse type: the --contestants list, its words comma-separated, as Contestants."""
+    chosen = []
+    for word in text.split(","):
+        if word.startswith(BEFORE) and os.path.isdir(word[len(BEFORE):]):
+            chosen.append(Contestant(f"{OURS}@before", OURS,
+                                     user_dir=os.path.abspath(word[len(BEFORE):])))
+        elif word in CONTESTANTS:
+            chosen.append(CONTESTANTS[word])
+        else:
+            raise argparse.ArgumentTypeError(
+                f"{word!r}: give {', '.join(CONTESTANTS)} or before=PLUGIN_DIR (a checkout's "
+                "fairseq_plugin folder), separated by commas")
+    names = [c.name for c in chosen]
+    if OURS not in names or THEIRS not in names or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {OURS} and {THEIRS} are both needed (the ratios are between them), each "
+            "contestant once")
+    return chosen
 
 
 def model_flags(preset):
@@ -41,76 +69,19 @@ def model_flags(preset):
             "--share-all-embeddings", "--dropout", "0.1"]
 
 
-def child_import(name: str, folder: str = HERE) -> str:
-    """Python code that imports FOLDER/NAME.py (this folder's by default) in a child process by
-    its path, as a module of its own: not through this package, whose ``fairseq_plugin`` would
-    register the plugin before fairseq imports the --user-dir it was given (another checkout's,
-    with --before)."""
-    path = os.path.join(folder, f"{name}.py")
-    return (f"spec = importlib.util.spec_from_file_location({name!r}, {path!r}); "
-            f"{name} = importlib.util.module_from_spec(spec); spec.loader.exec_module({name}); ")
-
-
-# Set-ups of the Python process that runs one of fairseq's CLIs, for both models alike:
-# the GPU memory peak over the whole command (cuda_peak.py: fairseq's trainer resets torch's peak
-# counter after every step), printed at exit; cuBLAS set up first (a matrix product: otherwise
-# the first one inside the CLI's timed work pays for it)
-CUDA_PEAK = child_import("cuda_peak") + "cuda_peak.switch_on(); "
-# torch's cuDNN attention backend switched off
-NO_CUDNN_ATTENTION = "torch.backends.cuda.enable_cudnn_sdp(False); "
-# fairseq's CLIs in bf16 (fairseq_changes.BENCHMARK_BF16)
-IN_BF16 = (child_import("fairseq_changes", os.path.dirname(HERE))
-           + "fairseq_changes.install([c.name for c in fairseq_changes.BENCHMARK_BF16]); ")
-BF16_MODELS = "fairseq_changes: the models in torch.bfloat16"  # what that prints
-
-
-class Device:
-    """Where fairseq runs: its flags, and how its peak memory is read (the process's resident
-    memory on the CPU, torch.cuda's allocator on a GPU: CUDA_PEAK); on a GPU, whether torch may
-    choose its cuDNN attention backend."""
-
-    def __init__(self, kind: str = "cpu", precision: str = "fp32", cudnn_attention: bool = True):
-        self.kind, self.precision, self.cudnn_attention = kind, precision, cudnn_attention
-
-    def flags(self):
-        return (["--cpu"] if self.kind == "cpu" else []) + (
-            [] if self.precision == "fp32" else [f"--{self.precision}"])
-
-    def command(self, cmd):
-        """fairseq's command ``cmd`` as run here: on a GPU, or in bf16, in a Python that sets up
-        the process first (CUDA_PEAK, NO_CUDNN_ATTENTION, IN_BF16)."""
-        setup = ((CUDA_PEAK if self.kind == "cuda" else "")
-                 + ("" if self.cudnn_attention else NO_CUDNN_ATTENTION)
-                 + (IN_BF16 if self.precision == "bf16" else ""))
-        if not setup:
-            return cmd
-        # -X faulthandler: an abort prints each Python thread's stack (run_measured shows it)
-        return [sys.executable, "-X", "faulthandler", "-c", "import importlib.util, sys, torch; "
-                f"sys.argv = sys.argv[1:]; {setup}" + child_import("cli_process")
-                + "cli_process.run(sys.argv[0])", *cmd]
-
-    def peak_mb(self, out: str, rss_mb: float) -> float:
-        if self.kind == "cpu":
-            return rss_mb
-        return float(self.peak_line(out).split()[0])
-
-    def peak_where(self, out: str) -> str:
-        """On a GPU, when a training command's peak came and what was allocated between its steps
-        (cuda_peak.PeakCounter.where): whether a gap is in the steps or in what stays."""
-        return "" if self.kind == "cpu" else self.peak_line(out).split(None, 1)[1]
-
-    @staticmethod
-    def peak_line(out: str) -> str:
-        """The end of cuda_peak's line at exit: 'MiB when...'."""
-        return out.rsplit(cuda_peak.PRINTED + " ", 1)[1].splitlines()[0]
-
-
-CPU = Device()
+def training_flags(data_bin, contestant, preset, max_tokens, device):
+    """fairseq-train's arguments: the same for every contestant but its own."""
+    return [data_bin, "--user-dir", contestant.user_dir, "--arch", contestant.arch,
+            *model_flags(preset), "--criterion", "label_smoothed_cross_entropy",
+            "--label-smoothing", "0.1", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
+            "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
+            "--max-tokens", max_tokens, "--seed", "1", *device.flags(), "--num-workers", "0",
+            *contestant.flags]
 
 
 def fairseq_setup(flags):
-    """(fairseq's configuration, its task) from fairseq-train's command-line ``flags``, set up in
-    this process as fairseq-train sets them up (the --user-dir imported)."""
+    """(fairseq's configuration, its task) from fairseq-train's ``flags``, set up in this process
+    as fairseq-train sets them up (the --user-dir imported)."""
     from fairseq import options, tasks, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -120,24 +91,9 @@ def fairseq_setup(flags):
     return cfg, tasks.setup_task(cfg.task)
 
 
-def without_cudnn(device: Device) -> Device:
-    """The same device with torch's cuDNN attention backend off in fairseq's processes."""
-    return Device(device.kind, device.precision, cudnn_attention=False)
-
-
-def training_flags(data_bin, arch, preset, max_tokens, user_dir, device=CPU):
-    """fairseq-train's arguments for both architectures (the same but for --arch)."""
-    return [data_bin, "--user-dir", user_dir, "--arch", arch, *model_flags(preset),
-            "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-            "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4",
-            "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
-            "--max-tokens", max_tokens, "--seed", "1", *device.flags(), "--num-workers", "0"]
-
-
-def folder_name(contestant: str) -> str:
-    """A contestant's name as a folder name: annotated_transformer, annotated_transformer-before,
-    annotated_transformer-torch-choice, annotated_transformer-without-packing, transformer."""
-    return re.sub(r"[^\w.-]+", "-", contestant)
+def folder_name(name: str) -> str:
+    """A contestant's name as a folder name (annotated_transformer-torch-choice, ...)."""
+    return re.sub(r"[^\w.-]+", "-", name)
 
 
 class Stopped(Exception):
@@ -148,6 +104,6 @@ def raise_stopped(signum, frame):
     raise Stopped()
 
 
-def alternated(contestants, i):
+def alternated(items, i):
     """The order of round (or step) i: as given, reversed, as given, ... (A B C, C B A, ...)."""
-    return contestants if i % 2 == 0 else contestants[::-1]
+    return items if i % 2 == 0 else items[::-1]

@@ -2,6 +2,7 @@
 generated corpus; the padding share of fairseq's batches; the first sentences of a test set."""
 
 import os
+import pathlib
 import random
 import shutil
 import subprocess
@@ -9,21 +10,18 @@ import subprocess
 from fairseq_plugin.cli.common import fairseq_cli
 
 
-def zipf_corpus(path, n_sentences, vocab, rng, min_len=8, max_len=40, exponent=1.1):
-    weights = [1.0 / (r ** exponent) for r in range(1, vocab + 1)]
-    words = [f"w{r}" for r in range(vocab)]
-    with open(path, "w") as f:
-        for _ in range(n_sentences):
-            f.write(" ".join(rng.choices(words, weights, k=rng.randint(min_len, max_len))) + "\n")
-
-
 def make_data(work, n_train, n_test, vocab, seed=1):
+    """--data synthetic: a Zipf-like vocabulary, source and target lengths (8-40) drawn apart."""
     rng = random.Random(seed)
     raw = os.path.join(work, "raw")
     os.makedirs(raw, exist_ok=True)
+    weights = [1.0 / (r ** 1.1) for r in range(1, vocab + 1)]
+    words = [f"w{r}" for r in range(vocab)]
     for split, n in (("train", n_train), ("valid", 200), ("test", n_test)):
         for lang in ("src", "tgt"):
-            zipf_corpus(os.path.join(raw, f"{split}.{lang}"), n, vocab, rng)
+            with open(os.path.join(raw, f"{split}.{lang}"), "w") as f:
+                for _ in range(n):
+                    f.write(" ".join(rng.choices(words, weights, k=rng.randint(8, 40))) + "\n")
     dest = os.path.join(work, "data-bin")
     subprocess.run([fairseq_cli("fairseq-preprocess"), "--source-lang", "src", "--target-lang",
                     "tgt", "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid",
@@ -35,16 +33,11 @@ def make_data(work, n_train, n_test, vocab, seed=1):
 def tatoeba_sample():
     """The Tatoeba sample bundled in this package's checkout (examples/tatoeba/data), found from
     the working directory upwards, or beside this package where it runs from a checkout."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for start in (os.getcwd(), here):
-        path = start
-        while True:
-            raw = os.path.join(path, "examples", "tatoeba", "data")
+    for start in (os.getcwd(), os.path.dirname(os.path.abspath(__file__))):
+        folders = [start] + [str(p) for p in pathlib.Path(start).parents]
+        for raw in (os.path.join(f, "examples", "tatoeba", "data") for f in folders):
             if os.path.isdir(raw):
                 return raw
-            if os.path.dirname(path) == path:
-                break
-            path = os.path.dirname(path)
     raise SystemExit("benchmark: error: --data tatoeba: the Tatoeba sample (examples/tatoeba/data "
                      "of this package's checkout) is not above the working directory; run from "
                      "the checkout, or give --data-bin DIR (annotated-prepare) or --data synthetic")
@@ -55,9 +48,8 @@ def prepare_tatoeba(work):
     from fairseq_plugin.cli.prepare import prepare
 
     dest = os.path.join(work, "tatoeba-bin")
-    prepare(tatoeba_sample(), dest, "de", "en", {"train": "train", "valid": "valid",
-                                                 "test": "test"},
-            bpe_merges=6000, force=True)
+    splits = {"train": "train", "valid": "valid", "test": "test"}
+    prepare(tatoeba_sample(), dest, "de", "en", splits, bpe_merges=6000, force=True)
     return dest
 
 
