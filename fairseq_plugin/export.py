@@ -45,7 +45,8 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from torch import Tensor
 
-from .checkpoints import HAS_ALLOWLIST, check_output_file, load_plain, save_whole
+from .checkpoints import (HAS_ALLOWLIST, check_output_file, check_outside, load_plain,
+                          save_whole)
 from .errors import PluginError, exit_in_one_line
 from .models.annotated_transformer import resolved_model_config
 from .models.config import normalize_before
@@ -292,8 +293,10 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
 
     if not os.path.isfile(checkpoint):
         raise PluginError(f"no checkpoint at {checkpoint}; give the path of a .pt file")
-    check_output_file(output, force, example="transformer.pt", inputs=[checkpoint])
+    check_output_file(output, force, example="transformer.pt", inputs=[checkpoint],
+                      folders=[data] if data else [])
     if ctranslate2_dir:
+        check_outside("--ctranslate2", ctranslate2_dir, [data] if data else [])
         check_ctranslate2_dir(ctranslate2_dir, output, force)
     state = checkpoint_utils.load_checkpoint_to_cpu(checkpoint)  # plugin: one-line errors
     cfg = state["cfg"]

@@ -157,3 +157,49 @@ def test_the_wheelhouse_script_refuses_to_mix_new_wheels_with_earlier_ones(tmp_p
 def test_a_torch_pre_release_counts_as_the_release_it_implements(version, expected):
     """NVIDIA's containers ship torch "2.6.0a0+..." builds, which have torch 2.6's features."""
     assert release(version) == expected
+
+
+def data_bin_with_raw_text(tmp_path):
+    """A data-bin's files, as annotated-prepare leaves them: dictionaries, BPE codes, raw text."""
+    db = tmp_path / "data-bin"
+    (db / "raw").mkdir(parents=True)
+    files = {db / "dict.en.txt": "a 1\n", db / "bpe.codes": "a b\n", db / "raw" / "test.en": "x\n"}
+    for path, text in files.items():
+        path.write_text(text)
+    (tmp_path / "checkpoint.pt").write_bytes(b"not read: the output is refused first")
+    (tmp_path / "link-to-data-bin").symlink_to(db)
+    return db, files
+
+
+@pytest.mark.main_lane  # the plugin's own commands' output checks, whatever fairseq's version
+@pytest.mark.parametrize("target", ["raw/test.en", "dict.en.txt", "bpe.codes", "new.txt", ".",
+                                    "LINK/raw/test.en"])
+def test_no_command_writes_its_output_inside_the_data_bin_it_reads(target, tmp_path):
+    """annotated-evaluate-bleu --output, annotated-export-fairseq --output (and --ctranslate2)
+    with --data, annotated-attention-heatmaps --out-dir: a path inside the data-bin the command
+    reads (an existing file of it or a new one, through a link too) is refused in one line,
+    --force or not, and every file of the data-bin stays as it was."""
+    db, files = data_bin_with_raw_text(tmp_path)
+    path = (str(tmp_path / "link-to-data-bin" / target[5:]) if target.startswith("LINK/")
+            else str(db / target))
+    checkpoint = str(tmp_path / "checkpoint.pt")
+    given = path if target != "." else str(db)
+    runs = {
+        "annotated-evaluate-bleu": ([str(db), checkpoint, "--output", given], "--output"),
+        "annotated-export-fairseq": ([checkpoint, "--output", given, "--data", str(db),
+                                      "--force"], "--output"),
+        "annotated-attention-heatmaps": ([str(db), checkpoint, "Ein Hund.", "--out-dir", given],
+                                         "--out-dir"),
+    }
+    if target == "new.txt":
+        runs["annotated-export-fairseq --ctranslate2"] = (
+            [checkpoint, "--output", str(tmp_path / "t.pt"), "--data", str(db), "--ctranslate2",
+             given, "--force"], "--ctranslate2")
+    for command, (args, option) in runs.items():
+        proc = cli(command.split()[0], *args, check=False)
+        assert_one_line_error(proc, f"{command.split()[0]}: error: {option} {given} is inside "
+                                    f"{db}, which this command reads; give a path outside it "
+                                    "(its files are kept)")
+        assert {path: path.read_text() for path in files} == {
+            path: text for path, text in zip(files, ("a 1\n", "a b\n", "x\n"))}
+        assert sorted(os.listdir(db)) == ["bpe.codes", "dict.en.txt", "raw"]

@@ -84,7 +84,7 @@ def main(argv=None):
     try:
         if args.output:  # before the whole test set is decoded; a text file, overwritten
             check_output_file(args.output, force=True, example="hypotheses.txt",
-                              inputs=[args.checkpoint])
+                              inputs=[args.checkpoint], folders=[args.data_bin])
         hyps, settings = generate_detokenised(args.data_bin, args.checkpoint, args.beam,
                                               subset=args.subset,
                                               extra=["--lenpen", str(args.lenpen)],
