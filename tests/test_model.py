@@ -254,6 +254,22 @@ def test_a_checkpoint_whose_flags_name_one_pre_ln_stack_but_has_two_is_refused_w
         pre_ln_encoder_only.load_state_dict(build_tiny_model().state_dict(), strict=False)
 
 
+def test_another_architectures_checkpoint_is_named_as_such_before_any_layer_norm_advice():
+    """fairseq's pre-LN transformer (its final LayerNorm is encoder.layer_norm, ours
+    encoder.norm) loaded into this model: "another architecture", strict or not, not the
+    --model-overrides advice for a one-flag pre-LN checkpoint."""
+    from fairseq_plugin.export import transformer_args, transformer_state_dict
+
+    ours = build_tiny_model()
+    args = transformer_args(ours.options(Namespace(_name="annotated_transformer_tiny")))
+    d = ours.encoder.dictionary
+    theirs = transformer_state_dict(ours.state_dict(), args, d.pad(), d.pad())
+    for strict in (True, False):
+        with pytest.raises(PluginError, match=r"^the checkpoint holds another architecture's "
+                           r"parameters \(e\.g\. encoder\.\S+\), not an annotated_transformer's"):
+            build_tiny_model().load_state_dict(theirs, strict=strict)
+
+
 def test_fused_attention_backends_reach_every_attention_from_the_flag_and_from_overrides(
         tmp_path):
     """--fused-attention-backends reaches both stacks from the command line, no-cudnn

@@ -438,6 +438,11 @@ def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor],
     model lacks are ignored when not strict (as torch does); missing ones are refused always."""
     missing = [k for k in expected if k not in loaded]
     unexpected = [k for k in loaded if k not in expected]
+    if unexpected and len(missing) > len(expected) // 2:  # before any advice about LayerNorms
+        raise PluginError(
+            f"the checkpoint holds another architecture's parameters (e.g. {unexpected[0]}), not "
+            f"an annotated_transformer's; load it with the --arch it was trained with (its "
+            f"checkpoint's cfg.model), or train this model from scratch")
     for stack in ("encoder", "decoder"):  # pre-LN's final LayerNorm: in one of them only
         final_norm = f"{stack}.norm.weight"
         if final_norm in missing or final_norm in unexpected:  # also when not strict
