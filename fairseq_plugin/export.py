@@ -71,8 +71,9 @@ def transformer_args(ours: Namespace) -> Namespace:
     from fairseq.models.transformer.transformer_legacy import base_architecture
 
     args = copy.deepcopy(ours)
-    if hasattr(args, "post_norm"):
-        delattr(args, "post_norm")
+    for ours_only in ("post_norm", "accept_other_dictionaries"):
+        if hasattr(args, ours_only):
+            delattr(args, ours_only)
     args.arch = args._name = "transformer"
     for stack in ("encoder", "decoder"):
         setattr(args, f"{stack}_normalize_before", normalize_before(ours, stack))
@@ -161,7 +162,7 @@ def transformer_state_dict(ours: Dict[str, Tensor], args: Namespace, src_pad: in
         if f"{side}.norm.weight" in ours:
             m.linear(f"{side}.norm", f"{side}.layer_norm")
     m.copy("decoder.generator.proj.weight", "decoder.output_projection.weight")
-    left = sorted(set(ours) - m.used)
+    left = sorted(set(ours) - m.used - {"_extra_state"})  # (the dictionaries' fingerprint)
     if left:
         raise PluginError(f"cannot export: {left[0]} has no counterpart in fairseq's transformer")
     return m.out

@@ -93,6 +93,8 @@ def plain_state_dict(fairseq_state: Dict[str, Tensor]) -> Dict[str, Tensor]:
     """A fairseq model's state dict under the plain model's names."""
     plain = {}
     for name, tensor in fairseq_state.items():
+        if not torch.is_tensor(tensor):  # the model's extra state (its dictionaries' fingerprint)
+            continue
         names = plain_name_of(name)
         for plain_name, part in zip(names, tensor.chunk(len(names))):
             plain[plain_name] = part
@@ -126,6 +128,9 @@ def load_plain_weights(model, plain: reference.EncoderDecoder) -> None:
     plain_state = plain.state_dict()
     state = {}
     for name, tensor in model.state_dict().items():
+        if name == "_extra_state":  # the model's own, not a weight (get_extra_state)
+            state[name] = tensor
+            continue
         parts = [plain_state[n] for n in plain_name_of(name)]
         state[name] = torch.cat(parts) if len(parts) > 1 else parts[0]
     tied = {}

@@ -226,6 +226,26 @@ def test_generate_model_overrides_reach_the_model(reverse_run, generated):
     assert all(overridden[i] == generated[i] for i in short)
 
 
+def test_generate_refuses_a_data_bin_whose_dictionary_has_the_same_size_but_other_words(
+        reverse_run, tmp_path):
+    """fairseq compares only the embeddings' sizes: a dictionary of the same size with two words
+    swapped would decode garbage. The checkpoint's fingerprint of its dictionaries refuses it in
+    one line; --model-overrides "{'accept_other_dictionaries': True}" decodes with it anyway."""
+    import shutil
+
+    data_bin = tmp_path / "data-bin"
+    shutil.copytree(reverse_run["data_bin"], data_bin)
+    for path in data_bin.glob("dict.*.txt"):
+        lines = path.read_text().splitlines(keepends=True)
+        lines[0], lines[1] = lines[1], lines[0]  # two words swapped, the size kept
+        path.write_text("".join(lines))
+    command = reverse_task.generate_command(str(data_bin), str(reverse_run["checkpoint"]))
+    assert_one_line_error(cli(*command, check=False),
+                          "the checkpoint was trained with other dictionaries of the same size")
+    out = cli(*command, "--model-overrides", "{'accept_other_dictionaries': True}")
+    assert out.stdout.count("\nH-") == 500
+
+
 def test_generate_with_retain_dropout_decodes_with_dropout_on(reverse_run):
     """fairseq-generate --retain-dropout (Monte Carlo dropout) reaches the model: beam search's
     scores then change with --seed; without the flag they do not (which dropout stays on:

@@ -18,6 +18,7 @@ import collections
 import os
 import re
 
+import torch
 
 from ..checkpoints import check_output_file, load_plain, save_whole
 from ..errors import PluginError, exit_in_one_line
@@ -68,11 +69,12 @@ def average(paths):
             newest = state
         arch = _arch(state)
         params = state["model"]
-        these = {k: tuple(v.shape) for k, v in params.items()}
+        # (a model's extra state, e.g. the fingerprint of its dictionaries: compared as it is)
+        these = {k: tuple(v.shape) if torch.is_tensor(v) else repr(v) for k, v in params.items()}
         if total is None:
             first_path, first_arch, shapes = path, arch, these
             total = collections.OrderedDict(
-                (k, v.double().clone() if v.is_floating_point() else v.clone())
+                (k, v.double().clone() if floating(v) else v.clone() if torch.is_tensor(v) else v)
                 for k, v in params.items())
             continue
         if arch != first_arch:
@@ -83,14 +85,18 @@ def average(paths):
             raise PluginError(f"cannot average {first_path} and {path}: their parameters "
                               f"differ (e.g. {diff}); they are not the same model")
         for k, v in params.items():
-            if v.is_floating_point():
+            if floating(v):
                 total[k] += v.double()
     n = len(paths)
     reference = newest["model"]  # its dtypes
     newest["model"] = collections.OrderedDict(
-        (k, (v / n).to(reference[k].dtype) if v.is_floating_point() else v)
+        (k, (v / n).to(reference[k].dtype) if floating(v) else v)
         for k, v in total.items())
     return newest
+
+
+def floating(value) -> bool:
+    return torch.is_tensor(value) and value.is_floating_point()
 
 
 def last_checkpoints(directory, n, by_update=False):

@@ -11,6 +11,7 @@ make_model, Generator, ...): docs/code-map.md.
 """
 
 import argparse
+import collections
 from argparse import Namespace
 from dataclasses import field, fields, make_dataclass
 from typing import Dict, List, Optional, Tuple
@@ -42,7 +43,8 @@ from ..modules.embeddings import (
 from ..modules.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 from ..modules.packing import packing_for
 from .config import (AnnotatedTransformerConfig, add_unsupported_transformer_flags,
-                     check_options, check_task, normalize_before, resolve_options)
+                     check_dictionaries, check_options, check_task, dictionary_fingerprint,
+                     dictionary_size_error, normalize_before, resolve_options)
 
 
 class AnnotatedTransformerEncoder(FairseqEncoder):
@@ -360,14 +362,32 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         # the decoder's reorder plans, which beam search's step then hands the encoder
         decoder.reorder_plans = encoder.reorder_plans
         model = cls(encoder, decoder)
+        # which words the embeddings' rows stand for, kept in checkpoints (get_extra_state)
+        model.dictionaries = dictionary_fingerprint(src_dict, tgt_dict)
+        model.accept_other_dictionaries = args.accept_other_dictionaries
         model.init_parameters_(args.embedding_init, args.linear_init)
         if args.compile_layers:
             encoder.compiled = CompiledLayers(encoder.layers)
             decoder.compiled = CompiledLayers(decoder.layers)
         return model
 
+    def get_extra_state(self) -> dict:
+        """Kept in the state dict beside the parameters (torch's extra state: no buffer for DDP
+        to broadcast): the fingerprint of the dictionaries (config.dictionary_fingerprint)."""
+        return {"dictionaries": self.dictionaries}
+
+    def set_extra_state(self, state: dict) -> None:
+        """Nothing to set: load_state_dict has compared the fingerprints."""
+
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
-        """Refuse, in one line, a checkpoint of another architecture or dictionary size."""
+        """Refuse, in one line, a checkpoint of another architecture or other dictionaries (of
+        another size, or of the same size with other words: ``accept_other_dictionaries``
+        loads those). A checkpoint from before the fingerprint takes this model's."""
+        saved = state_dict.get(EXTRA_STATE)
+        if saved is not None and not self.accept_other_dictionaries:
+            check_dictionaries(saved["dictionaries"], self.dictionaries)
+        state_dict = collections.OrderedDict(state_dict)
+        state_dict[EXTRA_STATE] = self.get_extra_state()
         check_compatible(self.state_dict(), state_dict, strict)
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
@@ -432,6 +452,9 @@ def _feed_forward(args, d_model: int, d_ff: int) -> PositionwiseFeedForward:
         d_model, d_ff, utils.get_activation_fn(args.activation_fn), args.activation_dropout)
 
 
+EXTRA_STATE = "_extra_state"  # the model's get_extra_state in its state dict
+
+
 def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor],
                      strict: bool = True) -> None:
     """Explain why a checkpoint's parameters do not fit this model, or return. Parameters this
@@ -460,12 +483,9 @@ def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor],
             f"the checkpoint does not hold this model's parameters ({found}); it was trained "
             f"with another --arch or other flags: load it with those")
     for k, v in expected.items():
-        if tuple(loaded[k].shape) != tuple(v.shape):
+        if torch.is_tensor(v) and tuple(loaded[k].shape) != tuple(v.shape):
             if k.endswith("embeddings.lut.weight") or k.endswith("generator.proj.weight"):
-                raise PluginError(
-                    f"the checkpoint was trained with a dictionary of {loaded[k].shape[0]} "
-                    f"types but this data's dictionary has {v.shape[0]}; use the data-bin "
-                    f"(dict.*.txt) the model was trained with")
+                raise dictionary_size_error(loaded[k].shape[0], v.shape[0])
             raise PluginError(
                 f"the checkpoint's {k} has shape {tuple(loaded[k].shape)} but this model's has "
                 f"{tuple(v.shape)}; it was trained with other sizes: load it with those flags")

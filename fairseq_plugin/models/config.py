@@ -97,6 +97,10 @@ class AnnotatedTransformerConfig(FairseqDataclass):
         False, "in training, run each layer's position-wise work on every position, padding "
                "included (default: on real tokens only where at least 2%% of a batch's positions "
                "are padding, modules/packing.py); the same results, other speed and memory")
+    accept_other_dictionaries: bool = _option(
+        False, "load a checkpoint whose dictionaries have this data's sizes but other words "
+               "(refused otherwise, in one line: a token's index would mean another word; at "
+               "generation: --model-overrides \"{'accept_other_dictionaries': True}\")")
     compile_layers: bool = _option(
         False, "compile each encoder and decoder layer with torch.compile (dynamic shapes) for "
                "training and validation; decoding steps stay eager (modules/compiled.py); the "
@@ -180,6 +184,36 @@ def _check_compiler() -> None:
                           f"{torch.__version__} on Python {sys.version.split()[0]}; drop "
                           f"--compile-layers, or install a torch whose torch.compile supports "
                           f"this Python")
+
+
+def dictionary_fingerprint(src_dict, tgt_dict):
+    """[source types, hash, target types, hash]: each dictionary's size and the first 15 hex
+    digits of the SHA-1 of its words in order (what a token's index means). The model keeps it
+    with its parameters (get_extra_state), so checkpoints hold it: fairseq compares only the
+    embeddings' sizes."""
+    import hashlib
+
+    return [n for d in (src_dict, tgt_dict) for n in (
+        len(d), int(hashlib.sha1("\n".join(d.symbols).encode()).hexdigest()[:15], 16))]
+
+
+def check_dictionaries(saved, own) -> None:
+    """One line where a checkpoint's fingerprint (``saved``) is not this model's (``own``)."""
+    if list(saved) == list(own):
+        return
+    for trained, given in ((saved[0], own[0]), (saved[2], own[2])):
+        if trained != given:
+            raise dictionary_size_error(trained, given)
+    raise PluginError("the checkpoint was trained with other dictionaries of the same size: its "
+                      "tokens would be read as other words; use the data-bin (dict.*.txt) it was "
+                      "trained with, or load it anyway with --model-overrides "
+                      "\"{'accept_other_dictionaries': True}\"")
+
+
+def dictionary_size_error(trained: int, given: int) -> PluginError:
+    return PluginError(f"the checkpoint was trained with a dictionary of {trained} types but this "
+                       f"data's dictionary has {given}; use the data-bin (dict.*.txt) the model "
+                       f"was trained with")
 
 
 def check_task(task) -> None:
