@@ -149,3 +149,25 @@ def unknown_options_in_one_line(merge_with_dataclasses):
                               f"{spelling_hint(str(e.key), names, listed_in)}")
 
     return add_defaults
+
+
+def max_tokens_checked(batch_by_size):
+    """fairseq's ``data_utils.batch_by_size`` (fairseq_changes.py): --max-tokens below a
+    sentence's tokens (its longer side with its end-of-sentence token: a batch holds whole
+    sentences) is one line naming the sentence and the fix."""
+    import functools
+
+    @functools.wraps(batch_by_size)
+    def checked(indices, num_tokens_fn, num_tokens_vec=None, max_tokens=None, *args, **kwargs):
+        if max_tokens and num_tokens_vec is not None and len(num_tokens_vec):
+            longest = int(num_tokens_vec.argmax())
+            if num_tokens_vec[longest] > max_tokens:
+                raise PluginError(
+                    f"--max-tokens {max_tokens} is less than the {int(num_tokens_vec[longest])} "
+                    f"tokens of sentence {int(indices[longest])} of the split (a batch holds whole "
+                    f"sentences); raise --max-tokens to at least {int(num_tokens_vec[longest])}, "
+                    f"or leave longer sentences out with --max-source-positions and "
+                    f"--max-target-positions {max_tokens}")
+        return batch_by_size(indices, num_tokens_fn, num_tokens_vec, max_tokens, *args, **kwargs)
+
+    return checked

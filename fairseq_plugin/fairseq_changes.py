@@ -79,7 +79,11 @@ CHANGES = (
     Change("interactive_skips_bad_lines", "fairseq_cli.interactive", "make_batches",
            "interactive:checked_make_batches",
            "fairseq-interactive 0.12 ends the session at an over-long line ('Size of sample #0 "
-           "is invalid') and translates an empty one"),
+           "is invalid'), translates an empty one, and stdin's undecodable bytes as <unk>"),
+    Change("max_tokens_below_a_sentence_in_one_line", "fairseq.data.data_utils", "batch_by_size",
+           "errors:max_tokens_checked",
+           "fairseq 0.12 answers --max-tokens below its longest sentence with an AssertionError "
+           "traceback that names neither the sentence nor the fix"),
 )
 
 

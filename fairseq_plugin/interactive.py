@@ -1,4 +1,5 @@
-"""fairseq-interactive: skip empty and over-long input lines with a message, and go on.
+"""fairseq-interactive: skip empty and over-long input lines with a message, and go on; refuse
+input that is not UTF-8 in one line, from stdin as from --input FILE.
 
 Without this, an over-long line ends the whole session with fairseq's "Size of sample #0 is
 invalid" error, and an empty line is "translated" from nothing. When the plugin is loaded by
@@ -13,9 +14,22 @@ import sys
 
 import torch
 
+from .errors import PluginError
+
 
 def _preview(line: str, width: int = 40) -> str:
     return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def check_utf8(lines) -> None:
+    """One line for input that was not UTF-8: fairseq reads --input FILE as UTF-8 (refused at
+    the first bad byte) but stdin in the locale's encoding, which keeps undecodable bytes as
+    surrogates (PEP 383) that would be translated as <unk>."""
+    for line in lines:
+        bad = next((ch for ch in line if "\udc80" <= ch <= "\udcff"), None)
+        if bad is not None:
+            raise PluginError(f"the input is not UTF-8 text (byte {ord(bad) - 0xdc00:#x} in "
+                              f'"{_preview(line)!s}"); convert it, e.g. iconv -f latin1 -t utf-8')
 
 
 def checked_make_batches(make_batches):
@@ -23,6 +37,7 @@ def checked_make_batches(make_batches):
 
     @functools.wraps(make_batches)
     def wrapper(lines, cfg, task, max_positions, encode_fn):
+        check_utf8(lines)
         limit = max_positions[0] if isinstance(max_positions, (tuple, list)) else max_positions
         # with --constraints a line is "source<TAB>constraint<TAB>...": only the source counts
         sources = [line.split("\t")[0] for line in lines] if cfg.generation.constraints else lines

@@ -330,6 +330,23 @@ def test_interactive_input_that_is_not_utf8_fails_with_one_line(reverse_run, tmp
                                 "start byte: byte 0xfc); convert it, e.g. iconv -f latin1")
 
 
+def test_interactive_stdin_that_is_not_utf8_fails_with_one_line(reverse_run):
+    """On stdin too (read in the locale's encoding, undecodable bytes kept as surrogates, which
+    fairseq would translate as <unk>)."""
+    from conftest import _cli_command_and_env
+
+    command, env = _cli_command_and_env("fairseq-interactive", [
+        reverse_run["data_bin"], "--user-dir", PLUGIN_DIR, "--path", reverse_run["checkpoint"],
+        "--cpu"], None)
+    for locale in ("C", "C.UTF-8"):
+        proc = subprocess.run(command, input="a b c\nd ü e\n".encode("latin-1"),
+                              capture_output=True, env={**env, "LC_ALL": locale}, timeout=300)
+        proc.stderr, proc.stdout = proc.stderr.decode(), proc.stdout.decode()
+        assert_one_line_error(proc, "fairseq_plugin: error: the input is not UTF-8 text (",
+                              "byte 0xfc")
+        assert "\nH-1" not in proc.stdout  # the bad line not translated
+
+
 @pytest.mark.parametrize("flag", [["--layernorm-embedding"], ["--encoder-layerdrop", "0.1"]])
 def test_a_transformer_flag_this_model_lacks_fails_with_one_line(reverse_run, tmp_path, flag):
     proc = train_quick(reverse_run["data_bin"], tmp_path, *flag)

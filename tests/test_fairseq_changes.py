@@ -39,6 +39,8 @@ NEEDED = {
         "test_fairseq_changes.py::test_an_unknown_model_name_is_refused_only_with_the_change",
     "interactive_skips_bad_lines":
         "test_fairseq_changes.py::test_interactive_skips_an_empty_line_only_with_the_change",
+    "max_tokens_below_a_sentence_in_one_line":
+        "test_fairseq_changes.py::test_max_tokens_below_a_sentence_is_one_line_only_with_the_change",
     "bf16_without_tpu": "test_benchmark.py::"
         "test_bf16_trains_and_decodes_in_bf16_though_fairseq_012_ties_its_flag_to_tpus",
     "generate_in_bf16": "test_benchmark.py::"
@@ -143,6 +145,13 @@ def test_interactive_skips_an_empty_line_only_with_the_change(tmp_path, capsys):
         assert ids() == [0, 1, 2]  # the empty line "translated"
     assert ids() == [0, 2]
     assert "skipped an empty input line" in capsys.readouterr().err
+    # stdin's undecodable bytes (surrogates, PEP 383): refused, not translated as <unk>
+    latin1 = "d \xfc e".encode("latin-1").decode("utf-8", "surrogateescape")
+    with fairseq_changes.removed("interactive_skips_bad_lines"):
+        assert len(list(interactive.make_batches([latin1], cfg, task, (1024, 1024),
+                                                 lambda line: line))) == 1
+    with pytest.raises(PluginError, match=r"^the input is not UTF-8 text \(byte 0xfc in "):
+        list(interactive.make_batches(["w1", latin1], cfg, task, (1024, 1024), lambda line: line))
 
 
 @pytest.mark.skipif(not checkpoints.HAS_SCOPED_ALLOWLIST,
@@ -176,3 +185,26 @@ def test_other_ranks_unpickle_the_loaded_state_only_with_the_change(monkeypatch)
                                                               torch.zeros(3))
     # and the process-wide allowlist is as it was (a scoped one took the Namespace with it)
     assert argparse.Namespace in torch.serialization.get_safe_globals()
+
+
+def test_max_tokens_below_a_sentence_is_one_line_only_with_the_change():
+    """fairseq's batching asserts; with the change, one line names the sentence and the size to
+    raise --max-tokens to. Sizes within --max-tokens batch as before."""
+    import numpy as np
+    from fairseq.data import data_utils
+
+    fairseq_changes.install()
+    indices = np.array([4, 7, 9], dtype=np.int64)
+    sizes = np.array([3, 12, 5], dtype=np.int64)  # sentence 7: 12 tokens
+
+    def batches(max_tokens):
+        return [b.tolist() for b in data_utils.batch_by_size(
+            indices, lambda i: 0, num_tokens_vec=sizes, max_tokens=max_tokens)]
+
+    with fairseq_changes.removed("max_tokens_below_a_sentence_in_one_line"):
+        with pytest.raises(AssertionError):
+            batches(10)
+    with pytest.raises(PluginError, match=r"^--max-tokens 10 is less than the 12 tokens of "
+                       r"sentence 7 of the split .*raise --max-tokens to at least 12"):
+        batches(10)
+    assert sum(batches(12), []) == [4, 7, 9]
