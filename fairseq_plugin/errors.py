@@ -15,6 +15,7 @@ fairseq-hydra-train reports errors itself: it prints a PluginError's message alo
 import dataclasses
 import difflib
 import os
+import signal
 import sys
 
 from hydra.errors import CompactHydraException
@@ -108,7 +109,12 @@ def print_plugin_errors_as_one_line(previous_hook):
         message = one_line_error(exc)
         if message is None and _running_a_fairseq_command():
             message = bad_input_message(exc)
-        if message is not None and os.environ.get(TRACEBACK_VARIABLE, "") in ("", "0"):
+        quiet = os.environ.get(TRACEBACK_VARIABLE, "") in ("", "0")
+        if isinstance(exc, (KeyboardInterrupt, Stopped)) and _running_a_fairseq_command() and quiet:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            end_by_signal(f"fairseq_plugin: {os.path.basename(sys.argv[0])} stopped by "
+                          f"{STOP_NAMES[signum]}", signum)
+        if message is not None and quiet:
             sys.stderr.write(f"fairseq_plugin: error: {message}\n")
             sys.stderr.flush()
         else:
@@ -171,3 +177,89 @@ def max_tokens_checked(batch_by_size):
         return batch_by_size(indices, num_tokens_fn, num_tokens_vec, max_tokens, *args, **kwargs)
 
     return checked
+
+
+# -- Stop signals: Ctrl-C and SIGTERM end a command with one line and the signal's exit status
+# (128 + N for the shell, killed-by-N for a parent), not a traceback. Training's save on a signal
+# is preemption.py's; children stop with their parent (cli/common.py: run).
+
+STOP_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
+
+
+class Stopped(BaseException):
+    """SIGTERM, raised where the program is, as Ctrl-C raises KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def raise_stopped_in(pid: int):
+    """A SIGTERM handler for the process ``pid``; a forked child (a pool's worker) that inherited
+    it just ends by the signal, as without it."""
+    def handler(signum, frame):
+        if os.getpid() != pid:
+            end_by_signal(None, signum)
+        raise Stopped(signum)
+    return handler
+
+
+def end_by_signal(line, signum: int):
+    """Print ``line`` (if any), then end this process by ``signum``: its default action back,
+    the signal sent to itself (the exit status a parent and the shell expect)."""
+    if line:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    sys.exit(128 + signum)  # (not reached: the signal's default action ends the process)
+
+
+def ignore_ctrl_c() -> None:
+    """A pool worker's initializer: Ctrl-C reaches the whole process group; the parent stops
+    the workers (without this, each prints a KeyboardInterrupt traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def stops_in_one_line(command: str, note: str = ""):
+    """Decorates a command's main: Ctrl-C or SIGTERM inside ends it with one line, "COMMAND:
+    stopped by SIGNAL" (and ``note``, or the exception's own ``note``: what to do next), and the
+    signal's exit status; the full traceback with FAIRSEQ_PLUGIN_TRACEBACK=1."""
+    import functools
+
+    def decorate(main):
+        @functools.wraps(main)
+        def wrapped(*args, **kwargs):
+            previous = signal.signal(signal.SIGTERM, raise_stopped_in(os.getpid()))
+            try:
+                return main(*args, **kwargs)
+            except (KeyboardInterrupt, Stopped) as stop:
+                if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
+                    raise
+                signum = getattr(stop, "signum", signal.SIGINT)
+                said = getattr(stop, "note", note)  # (the command may say more: prepare.py)
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+            end_by_signal(f"{command}: stopped by {STOP_NAMES[signum]}" + (
+                f"; {said}" if said else ""), signum)
+        return wrapped
+    return decorate
+
+
+def stop_signals_in_one_line():
+    """(fairseq_changes.py) In one of fairseq's commands, SIGTERM raises Stopped where the
+    command is, as Ctrl-C raises KeyboardInterrupt, and print_plugin_errors_as_one_line ends it
+    with one line (training's own save on a signal, preemption.py, takes over at its first
+    update). Returns what undoes it."""
+    import threading
+
+    if (not _running_a_fairseq_command() or threading.current_thread() is not
+            threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        return lambda: None
+    handler = raise_stopped_in(os.getpid())
+    signal.signal(signal.SIGTERM, handler)
+
+    def undo():
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return undo

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from .checkpoints import (HAS_ALLOWLIST, check_output_file, check_outside, load_plain,
                           save_whole)
-from .errors import PluginError, exit_in_one_line
+from .errors import PluginError, exit_in_one_line, stops_in_one_line
 from .models.annotated_transformer import resolved_model_config
 from .models.config import normalize_before
 from .modules.embeddings import SinusoidalPositionalEncoding
@@ -447,6 +447,7 @@ def to_ctranslate2(exported: dict, data: str, output_dir: str, args: Namespace):
         shutil.move(converted, output_dir)
 
 
+@stops_in_one_line("annotated-export-fairseq", "--output is written whole or not at all")
 def main(argv=None):
     p = argparse.ArgumentParser(
         prog="annotated-export-fairseq",

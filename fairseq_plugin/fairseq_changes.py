@@ -72,6 +72,9 @@ CHANGES = (
     Change("one_line_errors", "sys", "excepthook", "errors:print_plugin_errors_as_one_line",
            "fairseq's commands answer a user's mistake (a missing file, a bad option) with a "
            "traceback"),
+    Change("stop_signals_in_one_line", "signal", "", "errors:stop_signals_in_one_line",
+           "fairseq's commands end at Ctrl-C with a KeyboardInterrupt traceback and at SIGTERM "
+           "without a word"),
     Change("unknown_options_in_one_line", "fairseq_cli.train", "add_defaults",
            "errors:unknown_options_in_one_line",
            "fairseq 0.12 answers a misspelled model option or model name with an omegaconf "

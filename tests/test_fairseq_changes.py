@@ -35,6 +35,8 @@ NEEDED = {
         "test_distributed.py::test_without_the_change_fairseq_trains_each_torchrun_rank_alone_on_cpus",
     "one_line_errors":
         "test_fairseq_changes.py::test_a_plugin_error_is_one_line_only_with_the_excepthook",
+    "stop_signals_in_one_line":
+        "test_fairseq_changes.py::test_a_stop_signal_ends_a_fairseq_command_in_one_line_only_with_the_change",
     "unknown_options_in_one_line":
         "test_fairseq_changes.py::test_an_unknown_model_name_is_refused_only_with_the_change",
     "interactive_skips_bad_lines":
@@ -208,3 +210,41 @@ def test_max_tokens_below_a_sentence_is_one_line_only_with_the_change():
                        r"sentence 7 of the split .*raise --max-tokens to at least 12"):
         batches(10)
     assert sum(batches(12), []) == [4, 7, 9]
+
+
+STOPPABLE = """
+import sys, time
+sys.argv[0] = "fairseq-stand-in"  # one of fairseq's commands, for the plugin
+from fairseq_plugin import fairseq_changes
+if "{removed}":  # undone for good (removed() would put it back as the exception leaves)
+    fairseq_changes._INSTALLED["{removed}"][0]()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("signum", [2, 15])  # SIGINT (Ctrl-C), SIGTERM
+def test_a_stop_signal_ends_a_fairseq_command_in_one_line_only_with_the_change(signum, tmp_path):
+    """Ctrl-C or SIGTERM in one of fairseq's commands (before training's own save on a signal
+    takes over): one line, and the process ends by the signal. Without the change: Ctrl-C's
+    traceback, SIGTERM's silence."""
+    import signal
+    import subprocess
+
+    results = {}
+    for name in ("", "stop_signals_in_one_line" if signum == 15 else "one_line_errors"):
+        script = tmp_path / "stand_in.py"
+        script.write_text(STOPPABLE.format(removed=name))
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+        # (fairseq's import logs an INFO line about tensorboardX)
+        results[name] = (proc.returncode, "".join(line for line in err.splitlines(True)
+                                                  if not line.startswith("INFO:")))
+    name = signal.Signals(signum).name
+    assert results[""] == (-signum, "fairseq_plugin: fairseq-stand-in stopped by "
+                                    f"{'Ctrl-C (SIGINT)' if signum == 2 else name}\n")
+    without = [err for name, (_, err) in results.items() if name][0]
+    assert ("Traceback" in without) if signum == 2 else without == ""

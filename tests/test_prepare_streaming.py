@@ -183,3 +183,59 @@ def test_a_killed_command_leaves_no_child_running(tmp_path):
         time.sleep(0.05)
     else:
         assert not os.path.exists(f"/proc/{grandchild}"), "the child still runs"
+
+
+@pytest.mark.main_lane  # (the plugin's own code, whatever fairseq's version)
+@pytest.mark.parametrize("signum, when", [
+    (2, "tokenise train: "),  # Ctrl-C (the whole process group) as BPE is learnt: DEST untouched
+    (15, "$ "),  # SIGTERM while fairseq-preprocess writes into DEST
+])
+def test_a_stopped_preparation_ends_in_one_line_and_its_rerun_says_what_to_do(signum, when,
+                                                                               tmp_path):
+    """Ctrl-C or SIGTERM while annotated-prepare works: one line saying so and what to do, the
+    signal's exit status, no traceback from it or its workers, no child left; the rerun names
+    the unfinished preparation, or, where DEST was untouched, prepares."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    raw = raw_corpus(tmp_path / "raw", 300, copies=200)
+    dest = tmp_path / "bin"
+    command = [sys.executable, "-m", "fairseq_plugin.cli.prepare", "--source-lang", "de",
+               "--target-lang", "en", "--raw-dir", raw, "--dest", str(dest), "--workers", "2"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, cwd=REPO)
+    for line in proc.stdout:
+        if line.startswith(when):
+            break
+    time.sleep(0.5)
+    os.killpg(proc.pid, signum) if signum == 2 else proc.send_signal(signum)
+    out = line + proc.stdout.read()
+    assert proc.wait(timeout=60) == -signum
+    assert "Traceback" not in out
+    name = "Ctrl-C (SIGINT)" if signum == 2 else signal.Signals(signum).name
+    last = out.strip().splitlines()[-1]
+    rerun = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    if signum == 2:
+        assert last == f"annotated-prepare: stopped by {name}; nothing was written to {dest}"
+        assert rerun.returncode == 0 and (dest / "prepare.json").exists()
+        return
+    assert last == (f"annotated-prepare: stopped by {name}; an unfinished preparation is left in "
+                    f"{dest}: run the same command with --force to prepare it again")
+    assert not running_with(str(dest))  # fairseq-preprocess stopped too
+    assert rerun.returncode == 1 and "holds an unfinished preparation (it was interrupted)" in (
+        rerun.stderr.strip().splitlines()[-1])
+
+
+def running_with(text):
+    """The processes whose command line holds ``text`` (Linux's /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(pid)
+        except OSError:  # ended meanwhile
+            pass
+    return found

@@ -21,7 +21,7 @@ import re
 import torch
 
 from ..checkpoints import check_output_file, load_plain, save_whole
-from ..errors import PluginError, exit_in_one_line
+from ..errors import PluginError, exit_in_one_line, stops_in_one_line
 
 
 def _arch(state):
@@ -115,6 +115,7 @@ def last_checkpoints(directory, n, by_update=False):
     return [path for _, path in sorted(found)[-n:]]
 
 
+@stops_in_one_line("annotated-average-checkpoints", "--output is written whole or not at all")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],

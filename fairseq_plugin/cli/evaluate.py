@@ -17,7 +17,7 @@ import os
 import sys
 
 from ..checkpoints import check_output_file
-from ..errors import PluginError, exit_in_one_line
+from ..errors import PluginError, exit_in_one_line, stops_in_one_line
 from .common import check_checkpoint, fairseq_cli, plugin_dir, prepared_settings, run
 
 
@@ -70,6 +70,7 @@ def score(data_bin, hyps, settings, subset="test"):
     return result, bleu.get_signature(), list(zip(sources, refs, ordered))
 
 
+@stops_in_one_line("annotated-evaluate-bleu", "earlier outputs are kept")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("data_bin")

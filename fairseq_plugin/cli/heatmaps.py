@@ -14,7 +14,7 @@ import argparse
 import os
 
 from ..checkpoints import check_outside
-from ..errors import PluginError, exit_in_one_line
+from ..errors import PluginError, exit_in_one_line, stops_in_one_line
 from .common import check_checkpoint, prepared_settings
 
 KINDS = {  # file prefix -> (which stack, attention module inside a layer)
@@ -128,6 +128,7 @@ def numbers(flag: str, text: str, available: int) -> set:
     return chosen
 
 
+@stops_in_one_line("annotated-attention-heatmaps")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
