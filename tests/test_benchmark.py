@@ -7,11 +7,12 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from conftest import FAIRSEQ_BREAKS_POST_LN, preprocess_reverse, reverse_data_bin
+from conftest import FAIRSEQ_BREAKS_POST_LN, preprocess_reverse, reverse_data_bin, running_with
 
 from fairseq_plugin.benchmark import child, common, data, memory, report, runs, steps
 from fairseq_plugin.benchmark.child import Device
@@ -289,11 +290,8 @@ def test_a_ratio_row_gives_the_median_of_the_per_round_ratios_not_the_ratio_of_m
     row = report.ratio_row("train", "ours", [100, 300], [200, 100])
     # medians 200 and 150 (ratio 1.33); per-round ratios 0.5 and 3.0, their median 1.75
     assert row == "| train | ours | 200 | 150 | 1.75x | 0.50 3.00 |"
-
-
-def test_rounds_alternate_the_order_so_that_even_rounds_balance_it():
-    alternated = common.alternated
-    orders = [alternated(["A", "B", "C"], i) for i in range(4)]
+    # rounds alternate the order, so that an even number of them balances it
+    orders = [common.alternated(["A", "B", "C"], i) for i in range(4)]
     assert orders == [["A", "B", "C"], ["C", "B", "A"], ["A", "B", "C"], ["C", "B", "A"]]
     for model in "ABC":  # over an even number of rounds every place is each model's equally often
         places = sorted(order.index(model) for order in orders)
@@ -485,15 +483,12 @@ def test_the_cpu_peak_counts_each_storage_from_the_operator_that_makes_it_to_its
         lambda: (x.data.mul_(2), x.data[:500].add_(1), x.data.view(10, 100).t_())) == 0
 
 
-# fairseq CLI stand-ins: a command that finishes and then aborts in Python's shutdown (as fp16
+# fairseq CLI stand-ins: one that finishes, then aborts in Python's shutdown (as fp16
 # fairseq-train did on an H100: child.py), and two that fail
-ABORTS_AFTER_FINISHING = """
-import atexit, os
-print("done training")
-atexit.register(os.abort)  # SIGABRT after the script's end, as in the interpreter's shutdown
-"""
-ABORTS_BEFORE_FINISHING = "import os; print('training'); os.abort()"
-EXITS_WITH_STATUS_1 = "import sys; print('training'); sys.exit(1)"
+STAND_INS = {"finished-then-aborted": "import atexit, os; print('done training'); "
+                                      "atexit.register(os.abort)",
+             "aborted": "import os; print('training'); os.abort()",
+             "failed": "import sys; print('training'); sys.exit(1)"}
 
 
 def test_a_command_that_finished_keeps_its_figures_through_an_abort_in_shutdown_and_says_so(
@@ -502,19 +497,15 @@ def test_a_command_that_finished_keeps_its_figures_through_an_abort_in_shutdown_
     its output, with a note and a count; one that aborts or fails before its end is an error."""
     child.ABORTED_AFTER_FINISHING.clear()
     device = Device("cpu", "bf16")  # a child with set-up code (bf16), as on a GPU
-    scripts = {}
-    for name, code in (("finished-then-aborted", ABORTS_AFTER_FINISHING),
-                       ("aborted", ABORTS_BEFORE_FINISHING), ("failed", EXITS_WITH_STATUS_1)):
-        scripts[name] = tmp_path / name
-        scripts[name].write_text(code)
-    out, _, _ = child.run_measured([scripts["finished-then-aborted"]], device)
+    for name, code in STAND_INS.items():
+        (tmp_path / name).write_text(code)
+    out, _, _ = child.run_measured([tmp_path / "finished-then-aborted"], device)
     assert "done training" in out and child.FINISHED in out
-    assert child.ABORTED_AFTER_FINISHING == ["finished-then-aborted"]
     assert "finished-then-aborted finished (exit status 0), then aborted" in (
         capsys.readouterr().out)
     for name in ("aborted", "failed"):
         with pytest.raises(SystemExit, match=f"benchmark: error: {name} failed"):
-            child.run_measured([scripts[name]], device)
+            child.run_measured([tmp_path / name], device)
     assert child.ABORTED_AFTER_FINISHING == ["finished-then-aborted"]
 
 
@@ -553,29 +544,14 @@ def test_skip_generation_measures_training_alone_and_decodes_nothing(tmp_path):
                      r"transformer [\d.]+% \([\d.]+% after the first epoch\)\n", out), out[-1000:]
 
 
-def commands_naming(text):
-    """The running processes whose command line holds ``text`` (Linux's /proc)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if text.encode() in f.read():
-                    found.append(pid)
-        except OSError:  # ended meanwhile
-            pass
-    return found
-
-
 @NO_GENERATION
 def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_other_models(
         tmp_path):
     """--contestants adds annotated_transformer trained (and so decoding) with
-    --fused-attention-backends torch to every round, and one trained with --no-packing; SIGTERM (a timeout's) in the second round prints the table of the first, stops
-    fairseq's command and ends in one error line."""
+    --fused-attention-backends torch to every round, and one trained with --no-packing; SIGTERM
+    (a timeout's) in the second round prints the table of the first, stops fairseq's command
+    and ends in one error line."""
     import signal
-    import time
-
-    import torch
 
     data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 50, "--test", 16)
     proc = subprocess.Popen(
@@ -594,7 +570,7 @@ def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_o
     out = "".join(lines) + proc.stdout.read()
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 1
-    assert not commands_naming(str(tmp_path / "work"))  # fairseq's command was stopped too
+    assert not running_with(str(tmp_path / "work"))  # fairseq's command was stopped too
     assert err.splitlines()[-1] == ("benchmark: stopped after 1 of 2 rounds (SIGTERM); the table "
                                     "above gives those"), err[-2000:]
     assert "benchmark: stopped (SIGTERM) in round 2 of 2; the tables give the 1 complete rounds" \
@@ -677,14 +653,8 @@ def test_the_device_peak_comes_from_the_table_by_name_the_flag_or_the_cpus_measu
     assert 1e8 < peak < 1e14 and source.startswith("the CPU's measured fp32 matrix-product rate")
     assert report.mfu_line(1e9, 2000, 4e12) == "2 TFLOP/s, 50.00% MFU"
     assert report.mfu_line(1.23456e9, 2000, None) == "2.469 TFLOP/s"
-
-
-def test_the_cpus_peak_is_the_fastest_product_over_a_time_window_not_ten_in_a_row():
-    """A shared machine's short slow spell must not set the peak (it once read below the rate
-    training then reached): the products go on for the whole window."""
-    import time
-
+    # the fastest product over a time window, not ten in a row: a shared machine's short slow
+    # spell must not set the peak (it once read below the rate training then reached)
     start = time.perf_counter()
-    peak = report.measured_cpu_peak(size=64, seconds=0.3)
+    assert 1e8 < report.measured_cpu_peak(size=64, seconds=0.3) < 1e14
     assert time.perf_counter() - start >= 0.3
-    assert 1e8 < peak < 1e14

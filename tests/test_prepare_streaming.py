@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from conftest import PLUGIN_DIR, cli
+from conftest import PLUGIN_DIR, cli, running_with
 from fairseq_plugin.cli import prepare, streaming
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -227,15 +227,3 @@ def test_a_stopped_preparation_ends_in_one_line_and_its_rerun_says_what_to_do(si
     assert rerun.returncode == 1 and "holds an unfinished preparation (it was interrupted)" in (
         rerun.stderr.strip().splitlines()[-1])
 
-
-def running_with(text):
-    """The processes whose command line holds ``text`` (Linux's /proc)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if text.encode() in f.read():
-                    found.append(pid)
-        except OSError:  # ended meanwhile
-            pass
-    return found
