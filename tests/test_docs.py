@@ -246,3 +246,17 @@ def test_the_development_page_has_a_line_for_every_test_file():
     files = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "tests", "test_*.py"))}
     assert files - listed == set(), "docs/development.md lacks a line for these test files"
     assert listed - files == set(), "docs/development.md lists test files that do not exist"
+
+
+def test_every_row_of_the_errors_table_names_a_test_that_exists():
+    """docs/errors.md's table of bad inputs: each row's test is a test function of that file."""
+    import ast
+
+    rows = re.findall(r"^\|[^|\n]+\|[^|\n]+\| `(test_\w+\.py)::(test_\w+)` \|$",
+                      read(os.path.join(ROOT, "docs", "errors.md")), re.M)
+    assert len(rows) >= 25
+    for file, name in rows:
+        tree = ast.parse(read(os.path.join(ROOT, "tests", file)))
+        tests = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        assert name in tests, f"{file}::{name}"
+
