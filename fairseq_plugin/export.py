@@ -162,7 +162,7 @@ def transformer_state_dict(ours: Dict[str, Tensor], args: Namespace, src_pad: in
         if f"{side}.norm.weight" in ours:
             m.linear(f"{side}.norm", f"{side}.layer_norm")
     m.copy("decoder.generator.proj.weight", "decoder.output_projection.weight")
-    left = sorted(set(ours) - m.used - {"_extra_state"})  # (the dictionaries' fingerprint)
+    left = sorted(set(ours) - m.used - {"dictionary_fingerprint"})  # (fairseq keeps none)
     if left:
         raise PluginError(f"cannot export: {left[0]} has no counterpart in fairseq's transformer")
     return m.out

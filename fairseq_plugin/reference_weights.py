@@ -93,7 +93,7 @@ def plain_state_dict(fairseq_state: Dict[str, Tensor]) -> Dict[str, Tensor]:
     """A fairseq model's state dict under the plain model's names."""
     plain = {}
     for name, tensor in fairseq_state.items():
-        if not torch.is_tensor(tensor):  # the model's extra state (its dictionaries' fingerprint)
+        if name == "dictionary_fingerprint":  # not a weight (the model's buffer)
             continue
         names = plain_name_of(name)
         for plain_name, part in zip(names, tensor.chunk(len(names))):
@@ -128,7 +128,7 @@ def load_plain_weights(model, plain: reference.EncoderDecoder) -> None:
     plain_state = plain.state_dict()
     state = {}
     for name, tensor in model.state_dict().items():
-        if name == "_extra_state":  # the model's own, not a weight (get_extra_state)
+        if name == "dictionary_fingerprint":  # the model's own, not a weight (make_model)
             state[name] = tensor
             continue
         parts = [plain_state[n] for n in plain_name_of(name)]

@@ -56,7 +56,8 @@ def test_no_buffers_to_broadcast_and_nothing_created_in_forward():
     model = build_tiny_model(d)
     before = {n: p.data_ptr() for n, p in model.named_parameters()}
     model(**training_sample(d)["net_input"])
-    assert list(model.buffers()) == []
+    # one buffer, which forward never reads: the fingerprint of the dictionaries (checkpoints)
+    assert [name for name, _ in model.named_buffers()] == ["dictionary_fingerprint"]
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
 
 
@@ -277,7 +278,7 @@ def test_a_checkpoint_of_other_dictionaries_of_the_same_size_is_refused_in_one_l
     size but other words, it is refused in one line, unless accept_other_dictionaries; another
     size gets the size's own message; a state without a fingerprint (from before it) loads."""
     ours = build_tiny_model().state_dict()
-    assert ours["_extra_state"]["dictionaries"][::2] == [34, 34]
+    assert ours["dictionary_fingerprint"].tolist()[::2] == [34, 34]
     build_tiny_model().load_state_dict(ours)  # the same words
     other = make_dictionary()
     other.symbols[5], other.symbols[6] = other.symbols[6], other.symbols[5]  # two words swapped
@@ -289,10 +290,10 @@ def test_a_checkpoint_of_other_dictionaries_of_the_same_size_is_refused_in_one_l
     with pytest.raises(PluginError, match=r"^the checkpoint was trained with a dictionary of 34 "
                        r"types but this data's dictionary has 35"):
         build_tiny_model(make_dictionary(31)).load_state_dict(ours)
-    before = {k: v for k, v in ours.items() if k != "_extra_state"}
+    before = {k: v for k, v in ours.items() if k != "dictionary_fingerprint"}
     model = build_tiny_model(other)
     model.load_state_dict(before)
-    assert model.state_dict()["_extra_state"] == build_tiny_model(other).get_extra_state()
+    assert torch.equal(model.dictionary_fingerprint, build_tiny_model(other).dictionary_fingerprint)
 
 
 def test_fused_attention_backends_reach_every_attention_from_the_flag_and_from_overrides(

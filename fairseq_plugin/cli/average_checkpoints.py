@@ -69,13 +69,11 @@ def average(paths):
             newest = state
         arch = _arch(state)
         params = state["model"]
-        # (a model's extra state, e.g. the fingerprint of its dictionaries: compared as it is)
-        these = {k: tuple(v.shape) if torch.is_tensor(v) else repr(v) for k, v in params.items()}
+        these = {k: tuple(v.shape) for k, v in params.items()}
         if total is None:
             first_path, first_arch, shapes = path, arch, these
             total = collections.OrderedDict(
-                (k, v.double().clone() if floating(v) else v.clone() if torch.is_tensor(v) else v)
-                for k, v in params.items())
+                (k, v.double().clone() if floating(v) else v.clone()) for k, v in params.items())
             continue
         if arch != first_arch:
             raise PluginError(f"cannot average checkpoints of different architectures: "
@@ -87,6 +85,9 @@ def average(paths):
         for k, v in params.items():
             if floating(v):
                 total[k] += v.double()
+            elif not torch.equal(v, total[k]):  # e.g. the fingerprint of the dictionaries
+                raise PluginError(f"cannot average {first_path} and {path}: their {k} differ; "
+                                  f"they are not the same model")
     n = len(paths)
     reference = newest["model"]  # its dtypes
     newest["model"] = collections.OrderedDict(

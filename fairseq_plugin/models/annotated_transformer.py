@@ -362,8 +362,8 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         # the decoder's reorder plans, which beam search's step then hands the encoder
         decoder.reorder_plans = encoder.reorder_plans
         model = cls(encoder, decoder)
-        # which words the embeddings' rows stand for, kept in checkpoints (get_extra_state)
-        model.dictionaries = dictionary_fingerprint(src_dict, tgt_dict)
+        # which words the embeddings' rows stand for: a buffer, so checkpoints keep it
+        model.register_buffer(FINGERPRINT, dictionary_fingerprint(src_dict, tgt_dict))
         model.accept_other_dictionaries = args.accept_other_dictionaries
         model.init_parameters_(args.embedding_init, args.linear_init)
         if args.compile_layers:
@@ -371,23 +371,16 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
             decoder.compiled = CompiledLayers(decoder.layers)
         return model
 
-    def get_extra_state(self) -> dict:
-        """Kept in the state dict beside the parameters (torch's extra state: no buffer for DDP
-        to broadcast): the fingerprint of the dictionaries (config.dictionary_fingerprint)."""
-        return {"dictionaries": self.dictionaries}
-
-    def set_extra_state(self, state: dict) -> None:
-        """Nothing to set: load_state_dict has compared the fingerprints."""
-
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         """Refuse, in one line, a checkpoint of another architecture or other dictionaries (of
         another size, or of the same size with other words: ``accept_other_dictionaries``
         loads those). A checkpoint from before the fingerprint takes this model's."""
-        saved = state_dict.get(EXTRA_STATE)
+        own = getattr(self, FINGERPRINT)
+        saved = state_dict.get(FINGERPRINT)
         if saved is not None and not self.accept_other_dictionaries:
-            check_dictionaries(saved["dictionaries"], self.dictionaries)
+            check_dictionaries(saved.tolist(), own.tolist())
         state_dict = collections.OrderedDict(state_dict)
-        state_dict[EXTRA_STATE] = self.get_extra_state()
+        state_dict[FINGERPRINT] = own
         check_compatible(self.state_dict(), state_dict, strict)
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
@@ -452,7 +445,7 @@ def _feed_forward(args, d_model: int, d_ff: int) -> PositionwiseFeedForward:
         d_model, d_ff, utils.get_activation_fn(args.activation_fn), args.activation_dropout)
 
 
-EXTRA_STATE = "_extra_state"  # the model's get_extra_state in its state dict
+FINGERPRINT = "dictionary_fingerprint"  # the model's buffer (config.dictionary_fingerprint)
 
 
 def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor],

@@ -187,14 +187,15 @@ def _check_compiler() -> None:
 
 
 def dictionary_fingerprint(src_dict, tgt_dict):
-    """[source types, hash, target types, hash]: each dictionary's size and the first 15 hex
-    digits of the SHA-1 of its words in order (what a token's index means). The model keeps it
-    with its parameters (get_extra_state), so checkpoints hold it: fairseq compares only the
-    embeddings' sizes."""
+    """(4,) int64: the source's and the target's number of types, each followed by the first 15
+    hex digits of the SHA-1 of its words in order (what a token's index means). The model keeps
+    it as a buffer, so checkpoints hold it: fairseq compares only the embeddings' sizes."""
     import hashlib
 
-    return [n for d in (src_dict, tgt_dict) for n in (
-        len(d), int(hashlib.sha1("\n".join(d.symbols).encode()).hexdigest()[:15], 16))]
+    import torch
+
+    return torch.tensor([n for d in (src_dict, tgt_dict) for n in (
+        len(d), int(hashlib.sha1("\n".join(d.symbols).encode()).hexdigest()[:15], 16))])
 
 
 def check_dictionaries(saved, own) -> None:
