@@ -203,3 +203,24 @@ def test_no_command_writes_its_output_inside_the_data_bin_it_reads(target, tmp_p
         assert {path: path.read_text() for path in files} == {
             path: text for path, text in zip(files, ("a 1\n", "a b\n", "x\n"))}
         assert sorted(os.listdir(db)) == ["bpe.codes", "dict.en.txt", "raw"]
+
+
+def test_averaging_refuses_checkpoints_of_other_dictionaries(tmp_path):
+    """Two checkpoints of one architecture and size but other words in their dictionaries are
+    not the same model: averaging them is refused in one line (their fingerprints differ)."""
+    from conftest import build_tiny_model, make_dictionary
+
+    from fairseq_plugin.cli import average_checkpoints
+
+    other = make_dictionary()
+    other.symbols[5], other.symbols[6] = other.symbols[6], other.symbols[5]
+    paths = []
+    for name, d in (("a", make_dictionary()), ("b", make_dictionary()), ("c", other)):
+        paths.append(str(tmp_path / f"{name}.pt"))
+        torch.save({"model": build_tiny_model(d).state_dict(),
+                    "cfg": {"model": {"_name": "annotated_transformer_tiny"}}}, paths[-1])
+    averaged = average_checkpoints.average(paths[:2])["model"]
+    assert averaged["dictionary_fingerprint"].tolist()[::2] == [34, 34]
+    with pytest.raises(PluginError, match=r"^cannot average .*a\.pt and .*c\.pt: their "
+                                          r"dictionary_fingerprint differ"):
+        average_checkpoints.average([paths[0], paths[2]])
