@@ -15,7 +15,7 @@ import time
 
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.cli.common import fairseq_cli, fairseq_validation, run
-from fairseq_plugin.errors import PluginError
+from fairseq_plugin.errors import PluginError, stops_in_one_line
 
 MARKER = ".reverse-demo"  # in WORK_DIR: an earlier run of this demo made what is there
 # per task: epochs, training pairs and beam size by default
@@ -39,6 +39,7 @@ def fresh_work_dir(work_dir):
     open(os.path.join(work_dir, MARKER), "w").close()
 
 
+@stops_in_one_line("reverse_demo", "run it again: it starts over in its --work-dir")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", choices=sorted(DEFAULTS), default="reverse")

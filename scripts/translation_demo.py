@@ -16,7 +16,7 @@ from fairseq_plugin.cli import evaluate as evaluate_bleu
 from fairseq_plugin.cli import prepare as prepare_translation
 from fairseq_plugin.cli.common import (fairseq_cli, fairseq_validation, plugin_dir,
                                        prepared_settings, run)
-from fairseq_plugin.errors import PluginError
+from fairseq_plugin.errors import PluginError, stops_in_one_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,6 +59,7 @@ def check_work_dir(work_dir):
                           f"demo replaces its data-bin and checkpoints); choose another --work-dir")
 
 
+@stops_in_one_line("translation_demo", "run it again: it starts over in its --work-dir")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work-dir", default="work/tatoeba")
