@@ -143,7 +143,8 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
 
     def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[DecoderLayer],
                  norm: Optional[nn.LayerNorm], generator: Generator, skip_padding: bool = True,
-                 attention_backends: str = NO_CUDNN):
+                 attention_backends: str = NO_CUDNN,
+                 reorder_plans: Optional[ReorderPlans] = None):
         super().__init__(dictionary)
         self.padding_idx = dictionary.pad()
         self.embed = embed  # the notebook's tgt_embed: Embeddings and PositionalEncoding
@@ -160,8 +161,9 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         # transformer always does (the hub's hypotheses, --print-alignment); False: the fused
         # kernel in every attention (tests, the cache benchmark's baseline)
         self.need_attn = True
-        # beam search's reorder plans: the encoder's own once make_model joins them
-        self.reorder_plans = ReorderPlans()
+        # beam search's reorder plans: the encoder's (make_model), which each step's reorder
+        # then hands the encoder; its own where built alone
+        self.reorder_plans = reorder_plans if reorder_plans is not None else ReorderPlans()
 
     def forward(
         self,
@@ -194,15 +196,17 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         # its subsequent_mask part is the self-attention's causal=True (attention.py: attend).
         src_mask = source_mask(encoder_out)  # (B, 1, 1, S) or None
         step_position = None  # a decoding step's: one position for all rows
-        if incremental_state is None:
+        if incremental_state is None:  # a full pass, which may run the compiled layers
             tgt_padding = prev_output_tokens.eq(self.padding_idx)  # (B, T)
             padded, left_padded = count_padding(tgt_padding)  # one read back from the device
             tgt_mask = ~tgt_padding[:, None, None, :] if left_padded else None
+            layers = self.compiled if self.compiled is not None else self.layers
         else:  # a decoding step: only the newest token is new, and it has nothing to hide
             step_position = self.embed.step_position(prev_output_tokens)
             prev_output_tokens = prev_output_tokens[:, -1:]
             tgt_padding, padded, tgt_mask = None, 0, None
             self.begin_step(incremental_state, encoder_out, prev_output_tokens.size(0))
+            layers = self.layers  # (as they are: steps are not compiled)
 
         memory = encoder_out["encoder_out"][0]  # (B, S, d_memory)
         want_attn = alignment_layer is not None or (self.need_attn and not self.training)
@@ -216,8 +220,6 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
                               self.skip_padding and self.training and not want_attn)
         x = packing.pack(x)
         attn, inner_states = None, [x]
-        # a full pass may run the compiled layers; a decoding step runs them as they are
-        layers = self.compiled if incremental_state is None and self.compiled else self.layers
         with fused_backends(self.attention_backends, x.device):
             for i, layer in enumerate(layers):
                 x, layer_attn = layer(x, memory, src_mask=src_mask, tgt_mask=tgt_mask,
@@ -358,9 +360,8 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
                     for _ in range(args.decoder_layers)],
             norm=nn.LayerNorm(d) if pre_ln else None,
             generator=Generator(d, len(tgt_dict), tgt_tokens.lut.weight if share_output else None),
-            skip_padding=not args.no_packing, attention_backends=backends)
-        # the decoder's reorder plans, which beam search's step then hands the encoder
-        decoder.reorder_plans = encoder.reorder_plans
+            skip_padding=not args.no_packing, attention_backends=backends,
+            reorder_plans=encoder.reorder_plans)
         model = cls(encoder, decoder)
         # which words the embeddings' rows stand for: a buffer, so checkpoints keep it
         model.register_buffer(FINGERPRINT, dictionary_fingerprint(src_dict, tgt_dict))
@@ -401,9 +402,6 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         torch's nn.Linear default. "glorot" for either is the notebook's. Padding embeddings
         start at zero (and stay so unless tied to the generator: its log-softmax over every
         type gives the padding row a gradient)."""
-        attention = {id(p) for m in self.modules() if isinstance(m, MultiHeadedAttention)
-                     for p in m.parameters()}
-        torch_default = set()
         if linear_init == "fairseq":
             for module in self.modules():
                 if isinstance(module, MultiHeadedAttention):
@@ -411,9 +409,8 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
                 elif isinstance(module, PositionwiseFeedForward):
                     for linear in (module.w_1, module.w_2):
                         linear.reset_parameters()  # U(-1/sqrt(fan_in), 1/sqrt(fan_in))
-                        torch_default |= {id(p) for p in linear.parameters()}
-        for p in self.parameters():
-            if p.dim() > 1 and id(p) not in attention and id(p) not in torch_default:
+        for name, p in self.named_parameters():  # every other matrix: the notebook's Glorot
+            if p.dim() > 1 and not drawn_by_its_module(name, linear_init):
                 nn.init.xavier_uniform_(p)
         if embedding_init == "normal":
             for module in self.modules():
@@ -446,6 +443,15 @@ def _feed_forward(args, d_model: int, d_ff: int) -> PositionwiseFeedForward:
 
 
 FINGERPRINT = "dictionary_fingerprint"  # the model's buffer (config.dictionary_fingerprint)
+
+
+def drawn_by_its_module(name: str, linear_init: str) -> bool:
+    """Whether init_parameters_ leaves the parameter ``name`` to its module's own rule: the
+    attention's (MultiHeadedAttention.reset_parameters, each of W^Q, W^K, W^V, W^O on its own),
+    and with --linear-init fairseq the feed-forward's (torch's nn.Linear default)."""
+    parts = name.split(".")
+    return ("self_attn" in parts or "src_attn" in parts
+            or (linear_init == "fairseq" and "feed_forward" in parts))
 
 
 def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor],
