@@ -75,12 +75,12 @@ def test_causal_mask_is_the_seeds_subsequent_mask():
 
 
 def test_causal_self_attention_ignores_future_positions():
-    attn = MultiHeadedAttention(4, 32, self_attention=True).eval()
+    attn = MultiHeadedAttention(4, 32, self_attention=True, causal=True).eval()
     x = torch.randn(2, 6, 32)
-    out1, _ = attn(x, causal=True)
+    out1, _ = attn(x)
     x2 = x.clone()
     x2[:, 4:] = torch.randn(2, 2, 32)
-    out2, _ = attn(x2, causal=True)
+    out2, _ = attn(x2)
     assert torch.allclose(out1[:, :4], out2[:, :4], atol=1e-6)
     assert not torch.allclose(out1[:, 4:], out2[:, 4:], atol=1e-3)
     expected, _ = seed_formula(x, x, attn, mask=reference.subsequent_mask(6))
@@ -201,7 +201,7 @@ def test_fused_and_written_out_kernels_agree_with_masks(causal, padded, monkeypa
     fused_calls, sdpa = [], F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda *args, **kwargs: (fused_calls.append(1), sdpa(*args, **kwargs))[1])
-    attn = MultiHeadedAttention(4, 32, self_attention=True).eval()
+    attn = MultiHeadedAttention(4, 32, self_attention=True, causal=causal).eval()
     x = torch.randn(3, 6, 32)
     pad = torch.zeros(3, 6, dtype=torch.bool)
     pad[1, 4:] = True
@@ -211,7 +211,7 @@ def test_fused_and_written_out_kernels_agree_with_masks(causal, padded, monkeypa
     for kernel in (FUSED, EXPLICIT):
         attn.kernel = kernel
         fused_calls.clear()
-        results[kernel] = attn(x, mask=mask, causal=causal)[0]
+        results[kernel] = attn(x, mask=mask)[0]
         assert len(fused_calls) == (kernel == FUSED)  # each kernel ran, and only it
     expected, _ = seed_formula(x, x, attn, mask=None if not (causal or padded) else (
         (reference.subsequent_mask(6) if causal else True) & ((~pad)[:, None, :] if padded else True)))

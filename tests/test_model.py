@@ -831,7 +831,7 @@ def test_attention_keeps_its_input_projections_and_kernel_output_nothing_twice(m
     real = torch.ones(B, T, dtype=torch.bool)
     real[1, 5:], real[3, 2:] = False, False  # right-padded targets
     self_attention = mask == "causal"
-    attn = MultiHeadedAttention(4, d, self_attention=self_attention).train()
+    attn = MultiHeadedAttention(4, d, self_attention=self_attention, causal=self_attention).train()
     memory, key_mask = torch.randn(B, S, d), torch.ones(B, 1, 1, S, dtype=torch.bool)
     key_mask[0, ..., 4:], key_mask[2] = False, False  # source 2: no key at all
     for packing, rows in ((RealPositions(real, int(real.sum())), int(real.sum())),
@@ -839,7 +839,7 @@ def test_attention_keeps_its_input_projections_and_kernel_output_nothing_twice(m
         query = packing.pack(torch.randn(B, T, d)).requires_grad_()
         outputs = []
         kept = kept_storages_for_backward(lambda: outputs.append(
-            attn(query, None, causal=True, packing=packing)[0] if self_attention
+            attn(query, None, packing=packing)[0] if self_attention
             else attn(query, memory, mask=key_mask, packing=packing)[0]))
         parameters = {p.untyped_storage().data_ptr() for p in attn.parameters()}
         large = sum(n for ptr, n in kept.items()  # not masks, indices, statistics

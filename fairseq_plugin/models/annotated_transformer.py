@@ -193,7 +193,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         # the notebook's masks, True where a query may attend. src_mask: the source's real tokens.
         # tgt_mask: make_std_mask's padding part, the target's real tokens, needed only when a row
         # is left-padded (right padding follows every real token, so the causal mask hides it);
-        # its subsequent_mask part is the self-attention's causal=True (attention.py: attend).
+        # its subsequent_mask part is the causal self-attention's (attention.py: attend).
         src_mask = source_mask(encoder_out)  # (B, 1, 1, S) or None
         step_position = None  # a decoding step's: one position for all rows
         if incremental_state is None:  # a full pass, which may run the compiled layers
@@ -352,7 +352,7 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         decoder = AnnotatedTransformerDecoder(
             tgt_dict,
             embed=_embedding_layer(args, tgt_tokens, "target"),
-            layers=[DecoderLayer(d, MultiHeadedAttention(h, d, p_attn),
+            layers=[DecoderLayer(d, MultiHeadedAttention(h, d, p_attn, causal=True),
                                  MultiHeadedAttention(h, d, p_attn, self_attention=False,
                                                       d_memory=args.encoder_embed_dim),
                                  _feed_forward(args, d, args.decoder_ffn_embed_dim),

@@ -189,13 +189,16 @@ class MultiHeadedAttention(nn.Module):
     """
 
     def __init__(self, heads: int, d_model: int, dropout: float = 0.0, self_attention: bool = True,
-                 d_memory: Optional[int] = None):
+                 d_memory: Optional[int] = None, causal: bool = False):
         super().__init__()
         if heads <= 0 or d_model % heads:
             raise ValueError(f"d_model {d_model} is not a multiple of h = {heads}")
         self.h = heads
         self.d_k = d_model // heads
         self.self_attention = self_attention
+        # the decoder's self-attention: "prevent positions from attending to subsequent
+        # positions" (section 3.1), the notebook's subsequent_mask (see attend)
+        self.causal = causal
         if self_attention:
             self.qkv_proj = nn.Linear(d_model, 3 * d_model)  # [W^Q; W^K; W^V]
         else:
@@ -226,20 +229,19 @@ class MultiHeadedAttention(nn.Module):
             nn.init.zeros_(self.out_proj.bias)
 
     def forward(self, query: Tensor, memory: Optional[Tensor] = None, mask: Optional[Tensor] = None,
-                causal: bool = False, incremental_state: Optional[IncrementalState] = None,
-                need_weights: bool = False, packing: Packing = NO_PACKING
-                ) -> Tuple[Tensor, Optional[Tensor]]:
+                incremental_state: Optional[IncrementalState] = None, need_weights: bool = False,
+                packing: Packing = NO_PACKING) -> Tuple[Tensor, Optional[Tensor]]:
         """query (B, T, d_model), or its real rows (N, d_model) under ``RealPositions`` (training);
         memory (B, S, d_memory) for encoder-decoder attention, None for self-attention; mask
-        (B or 1, 1, T or 1, S), True where a query may attend; causal: each query sees no later
-        position (the decoder's self-attention); incremental_state: fairseq's, holding this
-        module's cache while decoding. Returns the output, shaped as the query, and, if
-        need_weights, the weights (B, h, T, S)."""
+        (B or 1, 1, T or 1, S), True where a query may attend (and, where the module is causal,
+        no later position either); incremental_state: fairseq's, holding this module's cache
+        while decoding. Returns the output, shaped as the query, and, if need_weights, the
+        weights (B, h, T, S)."""
         cache = self.cache(incremental_state)
         # 1) "linearly project the queries, keys and values h times": (B, L, d_model) ->
         #    (B, h, L, d_k); no keys and values when the cache already holds the source's
         q, k, v = self.project(query, memory, cache, packing)
-        T, group = q.size(2), 1
+        T, group, causal = q.size(2), 1, self.causal
         if cache is not None:  # decoding: the cache keeps the new keys and values, returns all
             # (mask: now the cache's, additive 0 / -inf over all S keys, or None)
             k, v, mask, group = self.read_cache(cache, k, v, mask, need_weights)

@@ -110,10 +110,10 @@ class DecoderLayer(nn.Module):
                 ) -> Tuple[Tensor, Optional[Tensor]]:
         """The notebook's DecoderLayer(x, memory, src_mask, tgt_mask): x (B, T, d_model), or its
         real rows under ``packing``; memory (B, S, d_memory); src_mask (B, 1, 1, S) / tgt_mask
-        (B, 1, 1, T), True at real tokens, or None. Self-attention is also causal
-        (``subsequent_mask``: see attend).
+        (B, 1, 1, T), True at real tokens, or None. Its self-attention is causal
+        (``subsequent_mask``: make_model builds it so; see attend).
         Returns x and, if need_attn, the source attention (B, h, T, S)."""
-        x, _ = self.sublayer[0].attention(x, self.self_attn, mask=tgt_mask, causal=True,
+        x, _ = self.sublayer[0].attention(x, self.self_attn, mask=tgt_mask,
                                           incremental_state=incremental_state, packing=packing)
         # the notebook's sublayer[1](x, lambda x: self.src_attn(x, m, m, src_mask))
         x, weights = self.sublayer[1].attention(x, self.src_attn, memory, mask=src_mask,
