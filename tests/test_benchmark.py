@@ -19,7 +19,6 @@ from fairseq_plugin.benchmark.child import Device
 
 BENCHMARK = [sys.executable, "-m", "fairseq_plugin.benchmark"]  # annotated-benchmark
 OURS, THEIRS = common.OURS, common.THEIRS
-PACKING_OFF = common.CONTESTANTS["without-packing"]
 
 # the CPU's step peak (memory.StorageTrace) watches storages' Python objects: torch 2.1.2's do
 # not live as long as their storages
