@@ -4,6 +4,7 @@ import fractions
 import os
 import subprocess
 import sys
+from argparse import Namespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from fairseq import checkpoint_utils
 
 from fairseq_plugin.errors import TRACEBACK_VARIABLE, PluginError, one_line_error, spelling_hint
 from fairseq_plugin.torch_release import TORCH_RELEASE, release
-from conftest import assert_one_line_error, cli
+from conftest import assert_one_line_error, build_tiny_model, cli, make_dictionary
 
 RAISE = ("import fairseq_plugin\n"
          "def load():\n"
@@ -208,8 +209,6 @@ def test_no_command_writes_its_output_inside_the_data_bin_it_reads(target, tmp_p
 def test_averaging_refuses_checkpoints_of_other_dictionaries(tmp_path):
     """Two checkpoints of one architecture and size but other words in their dictionaries are
     not the same model: averaging them is refused in one line (their fingerprints differ)."""
-    from conftest import build_tiny_model, make_dictionary
-
     from fairseq_plugin.cli import average_checkpoints
 
     other = make_dictionary()
@@ -224,3 +223,45 @@ def test_averaging_refuses_checkpoints_of_other_dictionaries(tmp_path):
     with pytest.raises(PluginError, match=r"^cannot average .*a\.pt and .*c\.pt: their "
                                           r"dictionary_fingerprint differ"):
         average_checkpoints.average([paths[0], paths[2]])
+
+
+# checkpoints of another architecture or other dictionaries (the model's load_state_dict)
+
+def test_another_architectures_checkpoint_is_named_as_such_before_any_layer_norm_advice():
+    """fairseq's pre-LN transformer (its final LayerNorm is encoder.layer_norm, ours
+    encoder.norm) loaded into this model: "another architecture", strict or not, not the
+    --model-overrides advice for a one-flag pre-LN checkpoint."""
+    from fairseq_plugin.export import transformer_args, transformer_state_dict
+
+    ours = build_tiny_model()
+    args = transformer_args(ours.options(Namespace(_name="annotated_transformer_tiny")))
+    d = ours.encoder.dictionary
+    theirs = transformer_state_dict(ours.state_dict(), args, d.pad(), d.pad())
+    for strict in (True, False):
+        with pytest.raises(PluginError, match=r"^the checkpoint holds another architecture's "
+                           r"parameters \(e\.g\. encoder\.\S+\), not an annotated_transformer's"):
+            build_tiny_model().load_state_dict(theirs, strict=strict)
+
+
+def test_a_checkpoint_of_other_dictionaries_of_the_same_size_is_refused_in_one_line():
+    """The model keeps a fingerprint of the dictionaries it was built with (each one's size and a
+    hash of its words), so its checkpoints do; loaded into a model of dictionaries of the same
+    size but other words, it is refused in one line, unless accept_other_dictionaries; another
+    size gets the size's own message; a state without a fingerprint (from before it) loads."""
+    ours = build_tiny_model().state_dict()
+    assert ours["dictionary_fingerprint"].tolist()[::2] == [34, 34]
+    build_tiny_model().load_state_dict(ours)  # the same words
+    other = make_dictionary()
+    other.symbols[5], other.symbols[6] = other.symbols[6], other.symbols[5]  # two words swapped
+    with pytest.raises(PluginError, match=r"^the checkpoint was trained with other dictionaries "
+                       r"of the same size: .*--model-overrides "
+                       r"\"\{'accept_other_dictionaries': True\}\"$"):
+        build_tiny_model(other).load_state_dict(ours)
+    build_tiny_model(other, accept_other_dictionaries=True).load_state_dict(ours)
+    with pytest.raises(PluginError, match=r"^the checkpoint was trained with a dictionary of 34 "
+                       r"types but this data's dictionary has 35"):
+        build_tiny_model(make_dictionary(31)).load_state_dict(ours)
+    before = {k: v for k, v in ours.items() if k != "dictionary_fingerprint"}
+    model = build_tiny_model(other)
+    model.load_state_dict(before)
+    assert torch.equal(model.dictionary_fingerprint, build_tiny_model(other).dictionary_fingerprint)

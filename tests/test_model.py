@@ -2,7 +2,6 @@
 
 import math
 import os
-import re
 from argparse import Namespace
 
 import pytest
@@ -254,46 +253,6 @@ def test_a_checkpoint_whose_flags_name_one_pre_ln_stack_but_has_two_is_refused_w
     pre_ln_encoder_only = build_tiny_model(decoder_normalize_before=True)
     with pytest.raises(PluginError, match="the checkpoint's encoder is pre-LN"):
         pre_ln_encoder_only.load_state_dict(build_tiny_model().state_dict(), strict=False)
-
-
-def test_another_architectures_checkpoint_is_named_as_such_before_any_layer_norm_advice():
-    """fairseq's pre-LN transformer (its final LayerNorm is encoder.layer_norm, ours
-    encoder.norm) loaded into this model: "another architecture", strict or not, not the
-    --model-overrides advice for a one-flag pre-LN checkpoint."""
-    from fairseq_plugin.export import transformer_args, transformer_state_dict
-
-    ours = build_tiny_model()
-    args = transformer_args(ours.options(Namespace(_name="annotated_transformer_tiny")))
-    d = ours.encoder.dictionary
-    theirs = transformer_state_dict(ours.state_dict(), args, d.pad(), d.pad())
-    for strict in (True, False):
-        with pytest.raises(PluginError, match=r"^the checkpoint holds another architecture's "
-                           r"parameters \(e\.g\. encoder\.\S+\), not an annotated_transformer's"):
-            build_tiny_model().load_state_dict(theirs, strict=strict)
-
-
-def test_a_checkpoint_of_other_dictionaries_of_the_same_size_is_refused_in_one_line():
-    """The model keeps a fingerprint of the dictionaries it was built with (each one's size and a
-    hash of its words), so its checkpoints do; loaded into a model of dictionaries of the same
-    size but other words, it is refused in one line, unless accept_other_dictionaries; another
-    size gets the size's own message; a state without a fingerprint (from before it) loads."""
-    ours = build_tiny_model().state_dict()
-    assert ours["dictionary_fingerprint"].tolist()[::2] == [34, 34]
-    build_tiny_model().load_state_dict(ours)  # the same words
-    other = make_dictionary()
-    other.symbols[5], other.symbols[6] = other.symbols[6], other.symbols[5]  # two words swapped
-    with pytest.raises(PluginError, match=r"^the checkpoint was trained with other dictionaries "
-                       r"of the same size: .*--model-overrides "
-                       r"\"\{'accept_other_dictionaries': True\}\"$"):
-        build_tiny_model(other).load_state_dict(ours)
-    build_tiny_model(other, accept_other_dictionaries=True).load_state_dict(ours)
-    with pytest.raises(PluginError, match=r"^the checkpoint was trained with a dictionary of 34 "
-                       r"types but this data's dictionary has 35"):
-        build_tiny_model(make_dictionary(31)).load_state_dict(ours)
-    before = {k: v for k, v in ours.items() if k != "dictionary_fingerprint"}
-    model = build_tiny_model(other)
-    model.load_state_dict(before)
-    assert torch.equal(model.dictionary_fingerprint, build_tiny_model(other).dictionary_fingerprint)
 
 
 def test_fused_attention_backends_reach_every_attention_from_the_flag_and_from_overrides(
