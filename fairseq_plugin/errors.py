@@ -14,6 +14,7 @@ fairseq-hydra-train reports errors itself: it prints a PluginError's message alo
 
 import dataclasses
 import difflib
+import functools
 import os
 import signal
 import sys
@@ -161,8 +162,6 @@ def max_tokens_checked(batch_by_size):
     """fairseq's ``data_utils.batch_by_size`` (fairseq_changes.py): --max-tokens below a
     sentence's tokens (its longer side with its end-of-sentence token: a batch holds whole
     sentences) is one line naming the sentence and the fix."""
-    import functools
-
     @functools.wraps(batch_by_size)
     def checked(indices, num_tokens_fn, num_tokens_vec=None, max_tokens=None, *args, **kwargs):
         if max_tokens and num_tokens_vec is not None and len(num_tokens_vec):
@@ -225,8 +224,6 @@ def stops_in_one_line(command: str, note: str = ""):
     """Decorates a command's main: Ctrl-C or SIGTERM inside ends it with one line, "COMMAND:
     stopped by SIGNAL" (and ``note``, or the exception's own ``note``: what to do next), and the
     signal's exit status; the full traceback with FAIRSEQ_PLUGIN_TRACEBACK=1."""
-    import functools
-
     def decorate(main):
         @functools.wraps(main)
         def wrapped(*args, **kwargs):
