@@ -12,19 +12,45 @@ with, piece by piece and as a whole:
 - ``Embeddings`` (x sqrt(d_model)), ``positional_encoding`` / ``PositionalEncoding``,
   ``Generator``;
 - ``EncoderDecoder`` with ``encode`` / ``decode``, and ``make_model``;
-- ``rate`` (the Noam schedule), ``LabelSmoothing``, ``greedy_decode``.
+- training as the notebook does it: ``Batch``, ``data_gen`` (the copy task), ``LabelSmoothing``,
+  ``SimpleLossCompute``, ``rate`` (the Noam schedule) and ``run_epoch``;
+- ``greedy_decode``.
 
-Where this differs from the notebook, it is as the fairseq model does (docs/code-map.md says
-why): ``nn.LayerNorm`` (eps 1e-5 on the variance) instead of the hand-written one, a generator
-without bias (so it can be tied to the embeddings), and post-LN as an option beside the
-notebook's pre-LN (``pre_ln=False``: the paper's LayerNorm(x + Sublayer(x)), no final norm).
+Where this differs from the notebook, on purpose, and why (docs/code-map.md says more):
+
+- ``nn.LayerNorm`` (the biased variance, eps 1e-5 inside the square root) instead of the
+  notebook's hand-written norm (a_2 (x - mean) / (std + eps) + b_2 with the unbiased std, eps
+  1e-6): the fairseq model uses torch's fused LayerNorm, as fairseq's transformer does, and the
+  two must compute the same.
+- The generator has no bias, so that its matrix can be tied to the embeddings
+  (``--share-all-embeddings``, section 3.4's shared weights).
+- Post-LN beside the notebook's pre-LN (``pre_ln=False``: the paper's LayerNorm(x +
+  Sublayer(x)), no final norm), because the paper and fairseq's transformer use it.
+- ``MultiHeadedAttention`` names its matrices ``w_q``, ``w_k``, ``w_v``, ``w_o`` instead of
+  ``clones(nn.Linear(d_model, d_model), 4)``: each name says which matrix it is, and ``w_k`` /
+  ``w_v`` may read a memory of another width than the decoder's. It returns the attention
+  weights instead of keeping them in ``self.attn``: a module that keeps nothing from one call
+  to the next (the heat-maps record the weights with a hook: modules/attention.py).
+- Attention dropout is make_model's ``dropout``; the notebook's is 0.1 whatever ``dropout`` is.
+  So make_model(dropout=0.0) is deterministic, as the fairseq model with ``--dropout 0`` is.
+- ``LabelSmoothing``'s smoothing defaults to 0.1 (the paper's epsilon_ls; the notebook's default
+  is 0.0, its examples pass it), and columns the smoothed target gives 0 add nothing even where
+  the model gives them probability 0: the notebook's ``nn.KLDivLoss`` returns NaN there (0 times
+  log 0; its label-smoothing loss figure is blank for that reason, harvardnlp/annotated-
+  transformer#109).
+- ``positional_encoding`` is computed in float64 (exact to more positions), then cast.
+- No ``NoamOpt``: the notebook's current version, like this one, gives ``rate`` to torch's
+  ``LambdaLR``. ``run_epoch`` keeps the notebook's loop but not its accumulation, logging and
+  ``TrainState``.
+- ``Batch``'s ``pad`` has no default (the notebook's 2 was its vocabulary's ``<blank>``): fairseq's
+  dictionaries put padding at 1.
 
 Shapes: B batch, T query length, S key length, h heads, d_k = d_model / h, V vocabulary.
 """
 
 import copy
 import math
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -114,9 +140,11 @@ class LabelSmoothing(nn.Module):
         return dist
 
     def forward(self, lprobs: Tensor, target: Tensor) -> Tensor:
-        """lprobs (N, V) log-probabilities of N tokens, target (N,) -> the summed KL divergence."""
+        """lprobs (N, V) log-probabilities of N tokens, target (N,) -> the summed KL divergence,
+        sum q (log q - lprobs). A column where q is 0 adds 0 (0 log 0 = 0), also where lprobs is
+        -inf (the notebook's KLDivLoss gives NaN there)."""
         q = self.target_distribution(target).to(lprobs.dtype)
-        return nn.functional.kl_div(lprobs, q, reduction="sum")
+        return nn.functional.kl_div(lprobs.masked_fill(q == 0, 0.0), q, reduction="sum")
 
 
 class SublayerConnection(nn.Module):
@@ -335,3 +363,64 @@ def greedy_decode(model: EncoderDecoder, src: Tensor, src_mask: Tensor, max_len:
         prob = model.generator(out[:, -1])  # (B, V)
         ys = torch.cat([ys, prob.argmax(dim=-1, keepdim=True)], dim=1)
     return ys
+
+
+class Batch:
+    """A batch of sources and targets with their masks, as the model is trained on it (the
+    notebook's "Batches and Masking"). ``tgt`` holds each target with its start symbol first:
+    the decoder reads ``tgt`` without its last token and is taught to predict ``tgt_y``, the
+    same tokens one step later ("teacher forcing"); fairseq calls them prev_output_tokens and
+    target."""
+
+    def __init__(self, src: Tensor, tgt: Optional[Tensor], pad: int):
+        self.src = src  # (B, S)
+        self.src_mask = src_mask_of(src, pad)  # (B, 1, S)
+        if tgt is not None:
+            self.tgt = tgt[:, :-1]  # (B, T): what the decoder reads
+            self.tgt_y = tgt[:, 1:]  # (B, T): what it must predict at each position
+            self.tgt_mask = tgt_mask_of(self.tgt, pad)  # (B, T, T)
+            self.ntokens = int((self.tgt_y != pad).sum())  # the tokens the loss counts
+
+
+def data_gen(V: int, batch_size: int, nbatches: int, length: int = 10,
+             generator: Optional[torch.Generator] = None) -> Iterator[Batch]:
+    """The notebook's first task: copy random symbols. ``nbatches`` batches of ``batch_size``
+    sequences of ``length`` symbols drawn from 1 .. V - 1, the first set to 1 (the start
+    symbol); the source is the target; 0 is padding (no sequence has any)."""
+    for _ in range(nbatches):
+        data = torch.randint(1, V, (batch_size, length), generator=generator)
+        data[:, 0] = 1
+        yield Batch(data, data.clone(), pad=0)
+
+
+class SimpleLossCompute:
+    """The generator, then the criterion over every position, divided by ``norm`` (the batch's
+    tokens). Returns the summed loss as a number, and the normalised loss to differentiate."""
+
+    def __init__(self, generator: Generator, criterion: LabelSmoothing):
+        self.generator, self.criterion = generator, criterion
+
+    def __call__(self, x: Tensor, y: Tensor, norm: int):
+        lprobs = self.generator(x)  # (B, T, V)
+        loss = self.criterion(lprobs.reshape(-1, lprobs.size(-1)), y.reshape(-1)) / norm
+        return loss.item() * norm, loss
+
+
+def run_epoch(data_iter: Iterable[Batch], model: EncoderDecoder, loss_compute: SimpleLossCompute,
+              optimizer: Optional[torch.optim.Optimizer] = None,
+              scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None) -> float:
+    """One pass over the batches: forward, the loss, and, with an optimizer, a gradient step and
+    the schedule's next rate after each batch. Returns the loss per token."""
+    total_loss, total_tokens = 0.0, 0
+    for batch in data_iter:
+        out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)  # (B, T, d_model)
+        loss, loss_node = loss_compute(out, batch.tgt_y, batch.ntokens)
+        if optimizer is not None:
+            loss_node.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
+        total_loss += loss
+        total_tokens += batch.ntokens
+    return total_loss / total_tokens
