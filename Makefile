@@ -87,9 +87,9 @@ demo-copy: install
 test: test-main test-fairseq-0.12.2
 
 test-main: install
-	$(PY) -m pytest -q -rs $(TESTS_MODEL)
-	$(PY) -m pytest -q -rs $(TESTS_PIPELINE)
-	$(PY) -m pytest -q -rs $(TESTS_WALKTHROUGH)
+	$(PY) -m pytest -q -rs --durations=15 $(TESTS_MODEL)
+	$(PY) -m pytest -q -rs --durations=15 $(TESTS_PIPELINE)
+	$(PY) -m pytest -q -rs --durations=15 $(TESTS_WALKTHROUGH)
 	@echo "the GPU lane's tests on the CPU (their code, not the GPU's paths):"
 	ANNOTATED_TEST_DEVICE=cpu $(PY) -m pytest -q -rs -m cuda -k "not two_ranks and not mixed_precision" tests
 
