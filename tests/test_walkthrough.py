@@ -50,6 +50,12 @@ def test_the_walkthrough_runs_top_to_bottom(tmp_path, monkeypatch):
     printed = "\n".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code"
                         for o in c.outputs)
     assert [name for name in FIGURES if not (tmp_path / "figures" / name).exists()] == []
+    # each cell that saves a figure also shows it inline (no non-interactive backend forced)
+    drawing = [c for c in notebook.cells if c.cell_type == "code"
+               and re.search(r"^\s*save\(fig,", c.source, re.M)]
+    assert drawing and [c.source[:60] for c in drawing
+                        if not any("image/png" in o.get("data", {}) for o in c.outputs)] == []
+    assert not re.search(r"\bnan\b", printed, re.IGNORECASE), printed
     assert len(re.findall(r"max \|difference\| = ", printed)) == 7, printed
     copied = [float(x) for x in re.findall(r"beam \d: ([\d.]+)% of 500", printed)]
     assert len(copied) == 2 and min(copied) >= 99.0, printed

@@ -37,12 +37,11 @@ import sys
 from argparse import Namespace
 from types import SimpleNamespace
 
-import matplotlib
 
 logging.getLogger("fairseq").setLevel(logging.WARNING)  # its import notes on optional packages
 logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font search
-matplotlib.use("Agg")  # figures go to files; Jupyter shows them below each cell as well
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402  (Jupyter shows each figure below its cell)
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from fairseq.data import Dictionary  # noqa: E402
 from fairseq.models import MODEL_REGISTRY  # noqa: E402
@@ -91,6 +90,13 @@ def agree(name, a, b, tolerance=1e-5):
 
 
 def save(fig, name):
+    """Write a figure, after checking that it draws something: every line and image holds
+    data, all of it finite (a NaN draws nothing, and a blank figure would pass unseen)."""
+    for ax in fig.axes:
+        for artist in [*ax.get_lines(), *ax.get_images()]:
+            data = artist.get_ydata() if hasattr(artist, "get_ydata") else artist.get_array()
+            data = np.asarray(data, dtype=float)
+            assert data.size and np.isfinite(data).all(), f"{name}: empty or not finite data"
     path = os.path.join(FIGURES, name)
     fig.savefig(path, dpi=80, bbox_inches="tight")
     print("wrote", os.path.relpath(path, HERE))
@@ -260,6 +266,12 @@ agree("whole model, log-probabilities", lp_plain[real], lp_fast[real])
 # The target puts 1 − ε on the gold token and spreads ε over the rest (not on padding); the loss
 # is the KL divergence to it. The plugin's criterion computes the same without building the
 # (N, V) matrix.
+#
+# The second figure is the notebook's: a prediction ever surer of the right token. Its loss is
+# lowest where the prediction gives that token 1 − ε = 0.9 (x = 27), and rises beyond: label
+# smoothing punishes over-confidence. (The notebook's own figure is blank: its `nn.KLDivLoss`
+# returns NaN where the model gives padding probability 0; `reference.LabelSmoothing` counts
+# nothing there.)
 
 # %%
 from fairseq_plugin.criterions.annotated_label_smoothing import annotated_label_smoothing_loss  # noqa: E402,E501
