@@ -37,7 +37,6 @@ import sys
 from argparse import Namespace
 from types import SimpleNamespace
 
-
 logging.getLogger("fairseq").setLevel(logging.WARNING)  # its import notes on optional packages
 logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font search
 import matplotlib.pyplot as plt  # noqa: E402  (Jupyter shows each figure below its cell)
