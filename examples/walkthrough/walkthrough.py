@@ -34,11 +34,13 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from argparse import Namespace
 from types import SimpleNamespace
 
 logging.getLogger("fairseq").setLevel(logging.WARNING)  # its import notes on optional packages
 logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font search
+warnings.filterwarnings("ignore", message=".*pin_memory")  # fairseq's loader asks for it on CPUs
 import matplotlib.pyplot as plt  # noqa: E402  (Jupyter shows each figure below its cell)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -177,13 +179,29 @@ save(fig, "masks.png")
 
 # %% [markdown]
 # Multi-head attention projects queries, keys and values h times, attends in each head, then
-# concatenates the heads and projects with W^O. The plain class keeps four matrices; the
-# plugin stores W^Q, W^K, W^V side by side (one matrix product) and runs torch's fused kernel.
+# concatenates the heads and projects with W^O. First the notebook's plain pieces:
+# `attention` is the formula above, and `MultiHeadedAttention.forward` its three numbered steps.
+
+# %%
+show_source(reference.attention, reference.MultiHeadedAttention.forward)
+
+# %% [markdown]
+# The plugin's class (`fairseq_plugin/modules/attention.py`) takes the same three steps, faster:
+# it stores W^Q, W^K, W^V side by side (one matrix product) and runs torch's fused kernel, which
+# never forms the weights unless they are asked for. Its extra arguments are what fairseq needs:
+#
+# | argument | what it is for |
+# |---|---|
+# | `query`, `memory` | the notebook's `query`, and `key` = `value` = the encoder's output in the decoder's source attention (`None`: self-attention) |
+# | `mask` | the notebook's mask with a head axis: (B, 1, T, S), True where a query may look |
+# | `incremental_state` | fairseq's cache while beam search decodes one token at a time: the keys and values of earlier steps are kept, not recomputed (`modules/cache.py`) |
+# | `need_weights` | return the weights (B, h, T, S), for the heat-maps at the end; otherwise the fused kernel |
+# | `packing` | in training, the projections run on real tokens only, not on padding (`modules/packing.py`) |
 
 # %%
 from fairseq_plugin.modules.attention import MultiHeadedAttention  # noqa: E402
 
-show_source(reference.MultiHeadedAttention.forward, MultiHeadedAttention.forward)
+show_source(MultiHeadedAttention.forward)
 fast_attn = fast.encoder.layers[0].self_attn
 out_fast, _ = fast_attn(x, mask=mask[:, None])
 out_plain, _ = plain_attention(fast_attn)(x, x, x, mask)
@@ -344,59 +362,264 @@ ax.legend()
 save(fig, "noam.png")
 
 # %% [markdown]
-# ## A first example: copying symbols
+# ## A first example, the notebook's way
 #
 # The notebook's first task: given random symbols from a small vocabulary, output the same
-# symbols. `annotated-copy-data` writes it as text, fairseq's commands do the rest: binarise,
-# train the plugin's `annotated_transformer_tiny` with label smoothing and Noam, decode.
+# symbols. Its training loop is in `reference.py` too: `data_gen` makes batches of the copy
+# task, `Batch` shifts each target by one for teacher forcing (the decoder reads `tgt` and is
+# taught to predict `tgt_y`) and builds the masks, `SimpleLossCompute` applies the generator and
+# the criterion, and `run_epoch` takes a step per batch.
+
+# %%
+show_source(reference.Batch, reference.data_gen, reference.SimpleLossCompute, reference.run_epoch)
+
+# %% [markdown]
+# The notebook's recipe: `make_model(11, 11, N=2)`, no smoothing, Adam with β = (0.9, 0.98) and
+# ε = 1e-9, base rate 0.5 scaled by `rate` (warm-up 400) through `LambdaLR`, 20 batches of 80 an
+# epoch, then 5 held-out batches without an optimizer. Here at a quarter of the notebook's
+# width (d_model 128), which learns the task as well in a fraction of the time on a CPU;
+# `WALKTHROUGH_FULL=1` trains the notebook's d_model 512.
+
+# %%
+V, WIDTH = 11, 512 if FULL else 128
+torch.manual_seed(0)
+model = reference.make_model(V, V, N=2, d_model=WIDTH, d_ff=4 * WIDTH)
+criterion = reference.LabelSmoothing(V, padding_idx=0, smoothing=0.0)
+loss_compute = reference.SimpleLossCompute(model.generator, criterion)
+optimizer = torch.optim.Adam(model.parameters(), lr=0.5, betas=(0.9, 0.98), eps=1e-9)
+scheduler = torch.optim.lr_scheduler.LambdaLR(
+    optimizer, lr_lambda=lambda step: reference.rate(step, WIDTH, factor=1.0, warmup=400))
+notebook_losses = []  # (updates so far, held-out loss per token)
+for epoch in range(20 if FULL else 10):
+    model.train()
+    reference.run_epoch(reference.data_gen(V, 80, 20), model, loss_compute, optimizer, scheduler)
+    model.eval()
+    with torch.no_grad():
+        held_out = reference.run_epoch(reference.data_gen(V, 80, 5), model, loss_compute)
+    notebook_losses.append((20 * (epoch + 1), held_out))
+    print(f"epoch {epoch + 1}: held-out loss per token {held_out:.3f}")
+
+# %% [markdown]
+# Greedy decoding, the notebook's `greedy_decode`: encode once, then run the decoder over the
+# whole prefix at every step and append the most probable next symbol.
+
+# %%
+show_source(reference.greedy_decode)
+src = torch.arange(1, 11)[None]  # [[1, 2, ..., 10]]: 1 is the copy task's start symbol
+decoded = reference.greedy_decode(model, src, torch.ones(1, 1, 10, dtype=torch.bool), max_len=10,
+                                  start_symbol=1)
+print("source ", src[0].tolist(), "\ndecoded", decoded[0].tolist())
+print(f"greedy_decode copied {int((decoded == src).sum())} of 10 symbols")
+
+# %% [markdown]
+# ## The same task with fairseq
+#
+# fairseq works from files: `annotated-copy-data` writes the copy task as text (sequences of
+# the symbols a to j), and `fairseq-preprocess` turns the text into what training reads:
+#
+# - `dict.src.txt`, `dict.tgt.txt`: the vocabulary, a symbol and its count per line; fairseq
+#   puts `<s>`, `<pad>`, `</s>`, `<unk>` at indices 0 to 3 before them (`--joined-dictionary`:
+#   one vocabulary for both sides, which shared embeddings need);
+# - `train.src-tgt.src.bin` and `.idx` (and valid, test, and the `tgt` side): every sentence's
+#   token indices in one flat binary array, and where each sentence starts in it; training maps
+#   them into memory instead of reading them (the notebook tokenises on the fly);
+# - `preprocess.log`: the command's settings and counts.
 
 # %%
 copy = os.path.join(WORK, "copy")
 run("annotated-copy-data", f"{copy}/raw", "--train", "10000")
+print(open(f"{copy}/raw/train.src").readline())
 run("fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
     "--trainpref", f"{copy}/raw/train", "--validpref", f"{copy}/raw/valid",
     "--testpref", f"{copy}/raw/test", "--destdir", f"{copy}/bin", "--joined-dictionary")
+for name in sorted(os.listdir(f"{copy}/bin")):
+    print(f"{name:26} {os.path.getsize(os.path.join(copy, 'bin', name)):>8,} bytes")
+copy_dict = Dictionary.load(f"{copy}/bin/dict.src.txt")
+print("first symbols:", [copy_dict[i] for i in range(8)])
+
+# %% [markdown]
+# Each training flag below is one of the notebook's objects:
+#
+# | fairseq-train | the notebook |
+# |---|---|
+# | `--arch annotated_transformer_tiny` | `make_model(V, V, N=2, d_model=64, d_ff=256, h=4)` (the presets: `fairseq_plugin/models`) |
+# | `--share-all-embeddings` | "Shared Embeddings": one matrix for the source and target embeddings and the generator (needs `--joined-dictionary`) |
+# | `--criterion annotated_label_smoothing --label-smoothing 0.1` | `LabelSmoothing(V, pad, smoothing=0.1)` inside `SimpleLossCompute` |
+# | `--optimizer adam --adam-betas "(0.9, 0.98)" --adam-eps 1e-9` | `torch.optim.Adam(params, betas=(0.9, 0.98), eps=1e-9)` |
+# | `--lr-scheduler noam --warmup-updates 200` | `LambdaLR(optimizer, lambda step: rate(step, d_model, factor, 200))`; `--noam-factor` is `factor` times the notebook's base `lr` |
+# | `--max-tokens 4096` | `batch_size_fn`: batches of sentences of similar length, up to 4096 tokens each with padding |
+# | `--max-epoch 10` | `for epoch in range(10)` |
+# | `--seed 1` | `torch.manual_seed(1)` |
+# | `--save-dir`, `--no-epoch-checkpoints` | `torch.save` after each epoch: here `checkpoint_best.pt` (lowest validation loss) and `checkpoint_last.pt` |
+# | `--log-interval 10` | the notebook's progress print every few steps |
+
+# %%
 log = run("fairseq-train", f"{copy}/bin", "--user-dir", os.path.dirname(fairseq_plugin.__file__),
           "--arch", "annotated_transformer_tiny", "--share-all-embeddings",
           "--criterion", "annotated_label_smoothing", "--label-smoothing", "0.1",
           "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-9",
           "--lr-scheduler", "noam", "--warmup-updates", "200", "--max-tokens", "4096",
           "--max-epoch", "10", "--seed", "1", "--save-dir", f"{copy}/checkpoints",
-          "--no-epoch-checkpoints", "--cpu", "--log-format", "simple")
-print("\n".join(line[line.index("epoch"):] for line in log.splitlines() if "valid on" in line))
+          "--no-epoch-checkpoints", "--cpu", "--log-format", "simple", "--log-interval", "10")
+print("\n".join(line[line.index("epoch"):] for line in log.splitlines()
+                if "valid on" in line or "num_updates=10," in line))
 
 # %% [markdown]
-# Greedy decoding, as in the notebook, and beam search: fairseq's `SequenceGenerator` over the
-# decoder's incremental cache.
+# fairseq's loop does `run_epoch`'s work in `fairseq_cli/train.py` and its `Trainer`:
+#
+# - `for batch in data_iter` is the epoch iterator (`task.get_batch_iterator`): the batches are
+#   grouped by length and shuffled anew each epoch;
+# - the forward pass and `loss_compute` are `criterion(model, sample)` in `task.train_step`; the
+#   criterion returns the summed loss and the batch's target tokens (`ntokens`);
+# - `loss.backward()` is in `task.train_step` too; the division by `ntokens` comes after it:
+#   the trainer scales the gradients by 1 / ntokens (summed over all GPUs when there are several);
+# - `optimizer.step()` and `zero_grad()` are the trainer's, then `scheduler.step()` is
+#   `lr_scheduler.step_update(num_updates)`;
+# - the held-out `run_epoch` without an optimizer is `validate` after each epoch (the
+#   "valid on" lines), with the model in `eval()` mode and no gradients, then a checkpoint.
+#
+# Its progress lines (`--log-interval 10`) give the loss every 10 updates, as log base 2 per
+# token; the figure converts them to natural logarithms, the notebook's unit. (fairseq's
+# `loss` includes the label smoothing; `nll_loss`, drawn here, is the negative log-likelihood
+# alone, as the notebook's loss without smoothing is.) With ε = 0.1 fairseq's curve levels off
+# near −ln 0.9 ≈ 0.1: label smoothing teaches the model to give the right symbol 0.9, not 1.
 
 # %%
+import math  # noqa: E402
+import re  # noqa: E402
+
+
+def nll_curve(log, valid=False):
+    """(updates, NLL per token in nats) from fairseq-train's progress lines, or its "valid on"
+    lines."""
+    pattern = (r"valid on 'valid' subset \| loss [\d.]+ \| nll_loss ([\d.]+) .*?num_updates (\d+)"
+               if valid else r"nll_loss=([\d.]+),.*?num_updates=(\d+)")
+    points = [(int(m[2]), float(m[1]) * math.log(2)) for m in re.finditer(pattern, log)]
+    assert points, "no loss in fairseq-train's log"
+    return [u for u, _ in points], [loss for _, loss in points]
+
+
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot(*zip(*notebook_losses), marker="o", label=f"the notebook's loop, d_model {WIDTH}, held out")
+ax.plot(*nll_curve(log), label="fairseq-train, annotated_transformer_tiny, training")
+ax.plot(*nll_curve(log, valid=True), marker="o", label="fairseq-train, validation")
+ax.set_xlabel("update")
+ax.set_ylabel("NLL per token (nats)")
+ax.set_yscale("log")
+ax.set_title("the copy task")
+ax.legend(fontsize=8, loc="lower left")
+save(fig, "copy_task_loss.png")
+
+# %% [markdown]
+# Greedy decoding and beam search: fairseq's `SequenceGenerator` over the decoder's incremental
+# cache. `fairseq-generate` prints, for each test sentence i (sorted by length):
+#
+# - `S-i`: the source; `T-i`: the reference target;
+# - `H-i`: the hypothesis and its score, the log-probability per token (base 2) that beam search
+#   ranks by; `D-i`: the same, detokenised (identical here: no BPE, no tokenizer);
+# - `P-i`: the log-probability (base 2) of each token of the hypothesis, `</s>` last.
+
+# %%
+generated = {}
 for beam in (1, 5):
     out = run("fairseq-generate", f"{copy}/bin", "--user-dir",
               os.path.dirname(fairseq_plugin.__file__), "--path",
               f"{copy}/checkpoints/checkpoint_best.pt", "--beam", beam, "--cpu",
               "--required-batch-size-multiple", "1")
-    hyps = {line.split("\t")[0][2:]: line.split("\t")[2] for line in out.splitlines()
-            if line.startswith("H-")}
-    refs = {line.split("\t")[0][2:]: line.split("\t")[1] for line in out.splitlines()
-            if line.startswith("T-")}
+    generated[beam] = {kind: {line.split("\t")[0][2:]: line.split("\t")[-1]
+                              for line in out.splitlines() if line.startswith(f"{kind}-")}
+                       for kind in "STH"}
+    hyps, refs = generated[beam]["H"], generated[beam]["T"]
     exact = sum(hyps[i] == refs[i] for i in refs) / len(refs)
-    print(f"beam {beam}: {exact:.1%} of {len(refs)} test sequences copied exactly; e.g.")
-    print("  source", refs["0"], "\n  output", hyps["0"])
+    print(f"beam {beam}: {exact:.1%} of {len(refs)} test sequences copied exactly")
+print("\n".join(line for line in out.splitlines() if line.split("\t")[0][2:] == "0"))
+
+# %% [markdown]
+# The notebook's `greedy_decode` on the same checkpoint's weights, loaded into the plain model
+# (`reference_weights.plain_model_from_checkpoint`), writes what `fairseq-generate --beam 1`
+# wrote, test sequence by test sequence.
+
+# %%
+from fairseq.data.data_utils import collate_tokens  # noqa: E402
+
+from fairseq_plugin.reference_weights import plain_model_from_checkpoint  # noqa: E402
+
+copy_model = plain_model_from_checkpoint(f"{copy}/checkpoints/checkpoint_best.pt",
+                                         {"data": f"{copy}/bin"}).eval()
+ids = sorted(generated[1]["S"], key=int)
+sources = collate_tokens([copy_dict.encode_line(generated[1]["S"][i], add_if_not_exist=False).long()
+                          for i in ids], copy_dict.pad())  # padded on the right, as the notebook's
+ys = reference.greedy_decode(copy_model, sources, reference.src_mask_of(sources, copy_dict.pad()),
+                             max_len=sources.size(1) + 5, start_symbol=copy_dict.eos())
+greedy = []
+for row in ys[:, 1:].tolist():  # without the start symbol, up to the first </s>
+    greedy.append(copy_dict.string(torch.tensor(row[:row.index(copy_dict.eos())]
+                                                if copy_dict.eos() in row else row)))
+same = sum(g == generated[1]["H"][i] for g, i in zip(greedy, ids))
+print(f"reference.greedy_decode wrote what fairseq-generate --beam 1 wrote for {same} of "
+      f"{len(ids)} test sequences")
+assert same == len(ids)
 
 # %% [markdown]
 # ## A real example: German to English
 #
 # The bundled Tatoeba sample (60,000 sentence pairs, CC BY 2.0): `annotated-prepare` tokenises
-# with fairseq's Moses tokenizer, learns joint BPE (subword-nmt) and binarises; fairseq-train
-# trains a small model; `annotated-evaluate-bleu` decodes the test set with beam 5 and scores
-# it with sacreBLEU. One epoch here (a few minutes: the translations are still poor);
-# `WALKTHROUGH_FULL=1` trains five.
+# with fairseq's Moses tokenizer, learns joint BPE (subword-nmt) and binarises with
+# fairseq-preprocess; fairseq-train trains a small model; `annotated-evaluate-bleu` decodes the
+# test set with beam 5 and scores it with sacreBLEU. One epoch here (a few minutes: the
+# translations are still poor); `WALKTHROUGH_FULL=1` trains five.
 
 # %%
 tatoeba = os.path.join(WORK, "tatoeba")
 raw = os.path.join(REPO, "examples", "tatoeba", "data")
 print(run("annotated-prepare", "-s", "de", "-t", "en", "--raw-dir", raw, "--dest",
           f"{tatoeba}/bin", "--bpe-merges", "6000", "--force"))
+
+# %% [markdown]
+# One of fairseq's batches, as `fairseq-train` makes it, beside the notebook's `Batch` of the
+# same three sentences. fairseq pads sources on the left (`src_tokens`); it ends each target
+# with `</s>` (`target`, the notebook's `tgt_y`) and feeds the decoder the same tokens moved one
+# step right behind a `</s>` (`prev_output_tokens`, the notebook's `tgt`). The masks are not in
+# the batch: the plugin's encoder and decoder make them from the tokens.
+
+# %%
+from fairseq.tasks.translation import TranslationConfig, TranslationTask  # noqa: E402
+
+from fairseq_plugin.reference_weights import right_padded  # noqa: E402
+
+translation = TranslationTask.setup_task(TranslationConfig(  # fairseq-train's defaults
+    data=f"{tatoeba}/bin", source_lang="de", target_lang="en", dataset_impl="mmap",
+    required_seq_len_multiple=1))
+translation.load_dataset("valid")
+pairs = translation.dataset("valid")
+sample = pairs.collater([pairs[i] for i in (0, 1, 2)])
+words = translation.target_dictionary
+pad = words.pad()
+src_tokens, prev_output_tokens = (sample["net_input"][k] for k in ("src_tokens",
+                                                                    "prev_output_tokens"))
+for name, tokens in (("src_tokens", src_tokens), ("prev_output_tokens", prev_output_tokens),
+                     ("target", sample["target"])):
+    print(f"fairseq {name}:\n{tokens}")
+print("fairseq ntokens:", sample["ntokens"])
+# The notebook's Batch: sources padded on the right; each target with its start symbol first
+# (fairseq's </s> serves as both)
+batch = reference.Batch(right_padded(src_tokens, pad),
+                        torch.cat([prev_output_tokens[:, :1], sample["target"]], dim=1), pad)
+print(f"Batch.src:\n{batch.src}\nBatch.src_mask:\n{batch.src_mask.int()}")
+print(f"Batch.tgt:\n{batch.tgt}\nBatch.tgt_y:\n{batch.tgt_y}")
+print(f"Batch.tgt_mask of the third sentence:\n{batch.tgt_mask[2].int()}")
+print("Batch.ntokens:", batch.ntokens)
+print("the targets, in sub-words:", *(words.string(row[row.ne(pad)]) for row in sample["target"]),
+      sep="\n  ")
+counted = sample["target"].ne(pad)  # the positions whose prediction the loss counts
+assert torch.equal(batch.tgt_y, sample["target"]) and batch.ntokens == sample["ntokens"]
+assert torch.equal(batch.tgt[counted], prev_output_tokens[counted])
+
+# %% [markdown]
+# `tgt_y` is `target`, token for token, and both count the same tokens. `tgt` is
+# `prev_output_tokens` wherever a prediction counts; after a shorter sentence's end the
+# notebook feeds its `</s>` where fairseq feeds padding, at a position whose prediction is
+# padding and not counted.
 
 # %%
 log = run("fairseq-train", f"{tatoeba}/bin", "--user-dir", os.path.dirname(fairseq_plugin.__file__),
@@ -408,8 +631,16 @@ log = run("fairseq-train", f"{tatoeba}/bin", "--user-dir", os.path.dirname(fairs
           "--adam-eps", "1e-9", "--lr-scheduler", "noam", "--warmup-updates", 300 if FULL else 150,
           "--max-tokens", "4096", "--max-epoch", 5 if FULL else 1, "--seed", "1",
           "--save-dir", f"{tatoeba}/checkpoints", "--no-epoch-checkpoints", "--cpu",
-          "--log-format", "simple")
+          "--log-format", "simple", "--log-interval", "10")
 print("\n".join(line[line.index("epoch"):] for line in log.splitlines() if "valid on" in line))
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot(*nll_curve(log), label="training")
+ax.plot(*nll_curve(log, valid=True), marker="o", label="validation")
+ax.set_xlabel("update")
+ax.set_ylabel("NLL per token (nats)")
+ax.set_title("Tatoeba de-en, 3+3 layers, d_model 128")
+ax.legend()
+save(fig, "tatoeba_loss.png")
 
 # %%
 print(run("annotated-evaluate-bleu", f"{tatoeba}/bin", f"{tatoeba}/checkpoints/checkpoint_best.pt",
@@ -418,11 +649,59 @@ print(run("annotated-evaluate-bleu", f"{tatoeba}/bin", f"{tatoeba}/checkpoints/c
 # %% [markdown]
 # ## Attention visualisation
 #
-# What the trained model attends to, per layer and head: the encoder's self-attention, the
-# decoder's self-attention, and the decoder's attention to the source.
+# What the trained model attends to, as the notebook draws it: every head of every layer, for
+# the encoder's self-attention, the decoder's self-attention and the decoder's attention to the
+# source. Layers and heads are numbered from 1, as in the notebook. Rows are queries, columns
+# the keys they attend to; each row sums to 1. `annotated-attention-heatmaps` writes the same
+# maps one file each.
+#
+# ### Encoder self-attention
 
 # %%
-run("annotated-attention-heatmaps", f"{tatoeba}/bin", f"{tatoeba}/checkpoints/checkpoint_best.pt",
-    "Tom öffnete das Bier.", "--out-dir", FIGURES, "--layers", "2", "--heads", "0")
-for name in sorted(os.listdir(FIGURES)):
-    print(name)
+from fairseq_plugin.cli import heatmaps  # noqa: E402
+
+hub = heatmaps.load_hub(f"{tatoeba}/bin", f"{tatoeba}/checkpoints/checkpoint_best.pt")
+said, src_labels, fed_labels, out_labels, maps = heatmaps.attention_maps(hub,
+                                                                         "Tom öffnete das Bier.")
+print("translation:", said)
+
+
+def draw_layers_and_heads(kind, rows, cols, title):
+    """One map per layer (rows of the grid) and head (its columns)."""
+    n_layers = 1 + max(layer for layer, _ in maps[kind])
+    n_heads = 1 + max(head for _, head in maps[kind])
+    size = (0.3 * len(cols) * n_heads + 2, 0.3 * len(rows) * n_layers + 2)
+    fig, axes = plt.subplots(n_layers, n_heads, squeeze=False, figsize=size)
+    for (layer, head), weights in maps[kind].items():
+        ax = axes[layer][head]
+        ax.imshow(np.array(weights), cmap="viridis", vmin=0.0, vmax=1.0)
+        ax.set_xticks(range(len(cols)), cols if layer == n_layers - 1 else [], rotation=90,
+                      fontsize=7)
+        ax.set_yticks(range(len(rows)), rows if head == 0 else [], fontsize=7)
+        ax.set_title(f"Layer {layer + 1}, head {head + 1}", fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+fig = draw_layers_and_heads("encoder_self", src_labels, src_labels, "encoder self-attention")
+save(fig, "encoder_self.png")
+
+# %% [markdown]
+# ### Decoder self-attention
+#
+# Each row is the decoder predicting a target token (rows are labelled with it) from the
+# tokens fed in so far (columns): nothing to the right of the diagonal, `subsequent_mask`.
+
+# %%
+fig = draw_layers_and_heads("decoder_self", out_labels, fed_labels, "decoder self-attention")
+save(fig, "decoder_self.png")
+
+# %% [markdown]
+# ### Decoder source attention
+#
+# Where each target token looks in the source: close to an alignment in the last layers.
+
+# %%
+fig = draw_layers_and_heads("decoder_source", out_labels, src_labels, "decoder-source attention")
+save(fig, "decoder_source.png")
