@@ -3,7 +3,8 @@
 
 prepare (sacremoses + joint BPE + fairseq-preprocess) -> fairseq-train (annotated_transformer,
 CPU-sized, label smoothing, Noam) -> fairseq-generate --beam 5 (BPE removed, detokenised) ->
-sacreBLEU with its signature and a few source / reference / hypothesis triples.
+sacreBLEU's BLEU and chrF, each with its signature, after a few source / reference / hypothesis
+triples.
 Every command is printed; full logs go to WORK_DIR/*.log.
 """
 
@@ -91,16 +92,17 @@ def main(argv=None):
         os.path.join(w, "train.log"), show=fairseq_validation, epochs=args.epochs)
     trained = time.time()
 
-    print("[3/3] fairseq-generate --beam 5, detokenised sacreBLEU on the 1,000 test sentences",
-          flush=True)
+    print("[3/3] fairseq-generate --beam 5, detokenised sacreBLEU and chrF on the 1,000 test "
+          "sentences", flush=True)
     hyps, settings = evaluate_bleu.generate_detokenised(data_bin,
                                                         os.path.join(ckpt, "checkpoint_last.pt"))
-    result, signature, triples = evaluate_bleu.score(data_bin, hyps, settings)
+    scores, triples = evaluate_bleu.score(data_bin, hyps, settings)
     with open(os.path.join(w, "hypotheses.en"), "w", encoding="utf-8") as f:
         f.writelines(h + "\n" for _, _, h in triples)
     for src, ref, hyp in triples[: args.examples]:
         print(f"  source     {src}\n  reference  {ref}\n  hypothesis {hyp}\n")
-    print(f"{result}\nsignature: {signature}")
+    for result, signature in scores:  # BLEU, then chrF
+        print(f"{result}\nsignature: {signature}")
     print(f"training {trained - start:.0f} s, in all {time.time() - start:.0f} s; "
           f"outputs in {w}")
 

@@ -261,26 +261,57 @@ def test_generate_with_retain_dropout_decodes_with_dropout_on(reverse_run):
     assert scores(1, "--retain-dropout") != scores(2, "--retain-dropout")
 
 
-def test_validation_bleu_during_training_equals_fairseq_generates(reverse_run, tmp_path):
-    """--eval-bleu (beam search inside fairseq-train's validation, after training steps in the
-    same process) scores the validation set as fairseq-generate does with the saved model."""
-    save = tmp_path / "eval-bleu"
+def test_validation_bleu_and_chrf_during_training_equal_sacrebleu_on_fairseq_generate(
+        reverse_run, tmp_path):
+    """--eval-bleu and the plugin's --eval-chrf (task annotated_translation: one beam search
+    inside fairseq-train's validation, after training steps in the same process) score the
+    validation set as sacreBLEU scores fairseq-generate's output of the saved model, each the
+    corpus score of all its batches; --best-checkpoint-metric chrf selects by chrF."""
+    import sacrebleu
+
+    save = tmp_path / "eval-chrf"
     proc = cli(*reverse_task.train_command(
         str(reverse_run["data_bin"]), str(save), REVERSE_EPOCHS + 1, seed=REVERSE_SEED,
-        extra=["--restore-file", str(reverse_run["last"]), "--eval-bleu",
+        extra=["--restore-file", str(reverse_run["last"]), "--task", "annotated_translation",
+               "--eval-bleu", "--eval-chrf",
                "--required-batch-size-multiple", "1",  # validate every sentence (#5036)
-               "--eval-bleu-args", '{"beam": 5}', "--best-checkpoint-metric", "bleu",
+               "--eval-bleu-args", '{"beam": 5}', "--best-checkpoint-metric", "chrf",
                "--maximize-best-checkpoint-metric"]))
     validated = [line for line in (proc.stdout + proc.stderr).splitlines()
                  if "valid on 'valid' subset" in line][-1]
-    during_training = float(_logged(validated, "bleu"))
+    bleu, chrf = float(_logged(validated, "bleu")), float(_logged(validated, "chrf"))
+    assert _logged(validated, "best_chrf") == _logged(validated, "chrf")  # selected by chrF
     out = cli(*reverse_task.generate_command(str(reverse_run["data_bin"]),
                                              str(save / "checkpoint_last.pt")),
-              "--gen-subset", "valid", "--scoring", "sacrebleu")
-    generated_bleu = float(out.stdout.strip().splitlines()[-1].split("BLEU = ")[1].split()[0])
-    print(f"validation BLEU: {during_training} during training, {generated_bleu} generated")
-    assert during_training >= 90
-    assert abs(during_training - generated_bleu) <= 0.01
+              "--gen-subset", "valid", "--scoring", "sacrebleu").stdout
+    lines = {kind: {int(line.split("\t")[0][2:]): line.split("\t")[-1]
+                    for line in out.splitlines() if line.startswith(f"{kind}-")} for kind in "HT"}
+    assert len(lines["H"]) == 500
+    hyps, refs = ([lines[kind][i] for i in sorted(lines[kind])] for kind in "HT")
+    generated_bleu = float(out.strip().splitlines()[-1].split("BLEU = ")[1].split()[0])
+    generated_chrf = sacrebleu.corpus_chrf(hyps, [refs]).score
+    print(f"validation BLEU {bleu}, chrF {chrf} during training; "
+          f"{generated_bleu}, {generated_chrf:.2f} generated")
+    assert bleu >= 90 and chrf >= 90
+    assert abs(bleu - generated_bleu) <= 0.01 and abs(chrf - generated_chrf) <= 0.01
+
+
+def test_chrf_from_statistics_summed_over_batches_is_sacrebleus_corpus_chrf():
+    """The statistics --eval-chrf logs per batch, summed, give sacreBLEU's corpus chrF (this
+    reads two of sacreBLEU's internal methods: a release that changes them fails here)."""
+    import sacrebleu
+
+    from fairseq_plugin.tasks.annotated_translation import chrf_from_statistics, chrf_statistics
+
+    hyps = ["the cat sat on the mat", "a dog", "nothing like it", "", "Öl und Wasser ."]
+    refs = ["the cat sat on a mat", "a big dog", "something else entirely", "empty", "Öl, Wasser."]
+    totals = [sum(column) for column in zip(chrf_statistics(hyps[:2], refs[:2]),
+                                            chrf_statistics(hyps[2:], refs[2:]))]
+    expected = sacrebleu.corpus_chrf(hyps, [refs]).score
+    assert chrf_from_statistics(totals) == pytest.approx(expected, abs=1e-9)
+    mean_of_batches = (sacrebleu.corpus_chrf(hyps[:2], [refs[:2]]).score
+                       + sacrebleu.corpus_chrf(hyps[2:], [refs[2:]]).score) / 2
+    assert abs(mean_of_batches - expected) > 1  # so the test tells the two apart
 
 
 # ------------------------------------------------------------------------------------------

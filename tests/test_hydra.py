@@ -5,6 +5,7 @@ does."""
 import json
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -144,6 +145,27 @@ def test_hydra_overrides_need_no_plus(data_bin, tmp_path):
     assert state["cfg"]["lr_scheduler"]["warmup_updates"] == 100
     assert "encoder.layers.0.feed_forward.w_1.weight" in state["model"]
     assert not any(k.startswith("encoder.layers.1.") for k in state["model"])
+
+
+def test_hydra_validates_with_chrf_and_selects_checkpoints_by_it(data_bin, tmp_path):
+    """The recipes' task, the plugin's annotated_translation: task.eval_chrf=true logs the
+    validation chrF, and checkpoint.best_checkpoint_metric=chrf chooses by it (fairseq stops
+    with a KeyError when the metric is not logged). Its value: tests/test_cli.py."""
+    proc = hydra_train(data_bin, tmp_path, "task.eval_chrf=true",
+                       "task.eval_bleu_args='{\"beam\": 1, \"max_len_b\": 5}'",
+                       "checkpoint.best_checkpoint_metric=chrf",
+                       "checkpoint.maximize_best_checkpoint_metric=true",
+                       "optimization.max_epoch=2")
+    validated = [line for line in (proc.stdout + proc.stderr).splitlines()
+                 if "valid on 'valid' subset" in line]
+    chrf = [float(re.search(r"\| chrf ([\d.]+) \|", line)[1]) for line in validated]
+    # (this barely trained model's chrF may well be 0: it stops early)
+    assert len(chrf) == 2 and all(0 <= c <= 100 for c in chrf), validated
+    # the best so far, logged once a checkpoint is saved: chrF's
+    assert float(re.search(r"\| best_chrf ([\d.]+)", validated[1])[1]) == max(chrf), validated
+    state = torch.load(tmp_path / "checkpoints" / "checkpoint_last.pt")
+    assert state["cfg"]["task"]["_name"] == "annotated_translation"
+    assert state["cfg"]["task"]["eval_chrf"] is True
 
 
 HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."

@@ -321,6 +321,10 @@ def test_short_run_generates_and_scores_with_sacrebleu(trained):
     assert any(line.startswith("BLEU = ") and "(test, beam 5, lenpen 1, 60 sentences)" in line
                for line in lines)
     assert any(line.startswith("signature: nrefs:1|case:mixed|eff:no|tok:13a") for line in lines)
+    assert any(line.startswith("chrF2 = ") and "(test, beam 5, lenpen 1, 60 sentences)" in line
+               for line in lines)
+    assert any(line.startswith("signature: nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no")
+               for line in lines)
     assert sum(line.strip().startswith("hypothesis") for line in lines) == 2
     # fairseq-generate's output and log, next to the checkpoint
     assert "H-59\t" in (ckpt / "generate-test.txt").read_text()
@@ -345,6 +349,8 @@ def test_short_run_generates_and_scores_with_sacrebleu(trained):
     refs = (w / "bin" / "raw" / "test.en").read_text(encoding="utf-8").splitlines()
     printed = next(line for line in lines if line.startswith("BLEU = ")).split()[2]
     assert printed == f"{sacrebleu.corpus_bleu(hyps, [refs]).score:.2f}"
+    printed = next(line for line in lines if line.startswith("chrF2 = ")).split()[2]
+    assert printed == f"{sacrebleu.corpus_chrf(hyps, [refs]).score:.2f}"
     # (a barely trained model scores near 0 whatever the order: the hypotheses scored are the
     # D- lines in the test set's order, as --output writes them)
     assert output.read_text(encoding="utf-8").splitlines() == hyps

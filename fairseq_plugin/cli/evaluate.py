@@ -1,9 +1,9 @@
 """Beam search on a prepared test set and detokenised sacreBLEU against the raw references.
 
 fairseq-generate (--beam N, BPE removed and Moses-detokenised by fairseq's own subword_nmt and
-moses post-processing) -> hypotheses in corpus order -> sacrebleu.corpus_bleu against
-DATA_BIN/raw/test.TGT, printed with its signature and a few source / reference / hypothesis
-triples.
+moses post-processing) -> hypotheses in corpus order -> sacreBLEU's corpus BLEU and chrF against
+DATA_BIN/raw/test.TGT, each printed with its signature, after a few source / reference /
+hypothesis triples.
 
   annotated-evaluate-bleu DATA_BIN CHECKPOINT [--beam 5] [--lenpen 1.0] [--subset test|valid]
                    [--examples 5] [--output hyps.txt]
@@ -65,9 +65,10 @@ def score(data_bin, hyps, settings, subset="test"):
                           f"{data_bin}/raw/{subset}.{settings['target_lang']}: the data-bin's "
                           f"binarised and raw {subset} sets differ; prepare it again")
     ordered = [hyps[i] for i in range(len(refs))]
-    bleu = sacrebleu.metrics.BLEU()
-    result = bleu.corpus_score(ordered, [refs])
-    return result, bleu.get_signature(), list(zip(sources, refs, ordered))
+    scores = []  # (score, its signature) for BLEU, then chrF (chrF2: sacreBLEU's defaults)
+    for metric in (sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()):
+        scores.append((metric.corpus_score(ordered, [refs]), metric.get_signature()))
+    return scores, list(zip(sources, refs, ordered))
 
 
 @stops_in_one_line("annotated-evaluate-bleu", "earlier outputs are kept")
@@ -90,7 +91,7 @@ def main(argv=None):
                                               subset=args.subset,
                                               extra=["--lenpen", str(args.lenpen)],
                                               echo=functools.partial(print, file=sys.stderr))
-        result, signature, triples = score(args.data_bin, hyps, settings, args.subset)
+        scores, triples = score(args.data_bin, hyps, settings, args.subset)
     except PluginError as e:
         exit_in_one_line("annotated-evaluate-bleu", e)
     if args.output:
@@ -99,8 +100,9 @@ def main(argv=None):
             f.writelines(h + "\n" for _, _, h in triples)
     for src, ref, hyp in triples[: args.examples]:
         print(f"  source     {src}\n  reference  {ref}\n  hypothesis {hyp}\n")
-    print(f"{result}  ({args.subset}, beam {args.beam}, lenpen {args.lenpen:g}, "
-          f"{len(triples)} sentences)\nsignature: {signature}")
+    for result, signature in scores:
+        print(f"{result}  ({args.subset}, beam {args.beam}, lenpen {args.lenpen:g}, "
+              f"{len(triples)} sentences)\nsignature: {signature}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+from . import annotated_translation  # noqa: F401
