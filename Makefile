@@ -34,7 +34,7 @@ TESTS_MODEL = tests/test_attention.py tests/test_criterion_and_schedule.py tests
               tests/test_incremental_decoding.py tests/test_mixed_precision.py tests/test_model.py \
               tests/test_cli.py tests/test_export.py tests/test_cuda.py
 TESTS_PIPELINE = $(filter-out $(TESTS_MODEL) $(TESTS_WALKTHROUGH),$(sort $(wildcard tests/test_*.py)))
-# the walkthrough runs once, in the main lane (about 4 minutes)
+# the walkthrough runs once, in the main lane (about 3 minutes)
 TESTS_WALKTHROUGH = tests/test_walkthrough.py
 
 .PHONY: demo demo-reverse demo-copy walkthrough walkthrough-run test test-main test-fairseq-0.12.2 test-gpu install install310 clean clean-work FORCE

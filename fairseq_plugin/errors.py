@@ -194,8 +194,8 @@ class Stopped(BaseException):
 
 
 def raise_stopped_in(pid: int):
-    """A SIGTERM handler for the process ``pid``; a forked child (a pool's worker) that inherited
-    it just ends by the signal, as without it."""
+    """A SIGTERM handler for the process ``pid``; a forked child that inherited it just ends by
+    the signal, as without it (a pool's workers drop it at start: pool_worker_signals)."""
     def handler(signum, frame):
         if os.getpid() != pid:
             end_by_signal(None, signum)
@@ -214,10 +214,15 @@ def end_by_signal(line, signum: int):
     sys.exit(128 + signum)  # (not reached: the signal's default action ends the process)
 
 
-def ignore_ctrl_c() -> None:
+def pool_worker_signals() -> None:
     """A pool worker's initializer: Ctrl-C reaches the whole process group; the parent stops
-    the workers (without this, each prints a KeyboardInterrupt traceback)."""
+    the workers (without this, each prints a KeyboardInterrupt traceback). SIGTERM, which the
+    parent's pool sends its workers as it stops them, gets its default action back: the Python
+    handler inherited from the parent runs only between bytecodes, so a SIGTERM that lands just
+    before a worker blocks on the pool's queue lock would never run it, and the parent would
+    wait for that worker forever (seen: annotated-prepare hung at the end of its pool)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def stops_in_one_line(command: str, note: str = ""):

@@ -314,6 +314,31 @@ def test_chrf_from_statistics_summed_over_batches_is_sacrebleus_corpus_chrf():
     assert abs(mean_of_batches - expected) > 1  # so the test tells the two apart
 
 
+def test_an_unknown_word_in_validation_never_matches_not_even_in_chrfs_character_ngrams(
+        monkeypatch):
+    """--eval-chrf's text of a hypothesis and its reference, each with an unknown word where the
+    other has one too: the unknown words share no character (fairseq's --eval-bleu writes
+    UNKNOWNTOKENINHYP and UNKNOWNTOKENINREF, 14 characters alike, which chrF would count)."""
+    from fairseq_plugin.tasks.annotated_translation import (AnnotatedTranslationConfig,
+                                                            AnnotatedTranslationTask,
+                                                            chrf_from_statistics, chrf_statistics)
+
+    d = Dictionary()
+    for word in ("the", "cat", "sat"):
+        d.add_symbol(word)
+    task = AnnotatedTranslationTask(AnnotatedTranslationConfig(), d, d)
+    task.tokenizer, task.sequence_generator = None, None
+    tokens = torch.tensor([d.index("the"), d.unk(), d.index("sat"), d.eos()])
+    monkeypatch.setattr(task, "inference_step", lambda *args, **kwargs: [[{"tokens": tokens}]])
+    hyps, refs = task.translate({"target": tokens[None]}, model=None)
+    assert hyps[0].split()[::2] == refs[0].split()[::2] == ["the", "sat"]
+    unknown_in_hyp, unknown_in_ref = hyps[0].split()[1], refs[0].split()[1]
+    assert not set(unknown_in_hyp) & set(unknown_in_ref)
+    # as much as a wrong word of one letter: the unknowns add nothing to the score
+    assert chrf_from_statistics(chrf_statistics(hyps, refs)) == pytest.approx(
+        chrf_from_statistics(chrf_statistics(["the x sat"], ["the y sat"])))
+
+
 # ------------------------------------------------------------------------------------------
 # Bad input: one clear line, no traceback
 # ------------------------------------------------------------------------------------------

@@ -227,3 +227,28 @@ def test_a_stopped_preparation_ends_in_one_line_and_its_rerun_says_what_to_do(si
     assert rerun.returncode == 1 and "holds an unfinished preparation (it was interrupted)" in (
         rerun.stderr.strip().splitlines()[-1])
 
+
+
+def _sigterm_takes_its_default_action():
+    import signal
+
+    return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_pool_worker_ends_at_once_on_sigterm_whatever_handler_its_parent_has():
+    """A command's SIGTERM handler (errors.stops_in_one_line) is Python's, and runs only between
+    bytecodes: inherited by a pool worker, a SIGTERM from the pool's terminate() landing just
+    before the worker blocks on the queue's lock was never handled, and annotated-prepare waited
+    for that worker forever. The workers take the signal's default action instead."""
+    import signal
+
+    from fairseq_plugin.errors import stops_in_one_line
+
+    @stops_in_one_line("test")
+    def in_a_command():
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+        with streaming.pool(2) as workers:
+            return [workers.apply_async(_sigterm_takes_its_default_action, ()).get()
+                    for _ in range(4)]
+
+    assert in_a_command() == [True] * 4

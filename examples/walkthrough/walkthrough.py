@@ -409,7 +409,8 @@ src = torch.arange(1, 11)[None]  # [[1, 2, ..., 10]]: 1 is the copy task's start
 decoded = reference.greedy_decode(model, src, torch.ones(1, 1, 10, dtype=torch.bool), max_len=10,
                                   start_symbol=1)
 print("source ", src[0].tolist(), "\ndecoded", decoded[0].tolist())
-print(f"greedy_decode copied {int((decoded == src).sum())} of 10 symbols")
+copied = int((decoded[:, 1:] == src[:, 1:]).sum())  # after the start symbol, which it is given
+print(f"greedy_decode copied {copied} of 9 symbols")
 
 # %% [markdown]
 # ## The same task with fairseq
@@ -443,11 +444,11 @@ print("first symbols:", [copy_dict[i] for i in range(8)])
 # | fairseq-train | the notebook |
 # |---|---|
 # | `--arch annotated_transformer_tiny` | `make_model(V, V, N=2, d_model=64, d_ff=256, h=4)` (the presets: `fairseq_plugin/models`) |
-# | `--share-all-embeddings` | "Shared Embeddings": one matrix for the source and target embeddings and the generator (needs `--joined-dictionary`) |
+# | `--share-all-embeddings` | "Shared Embeddings": one matrix for the source and target embeddings and the generator (needs `--joined-dictionary`); the notebook describes it, its `make_model` does not tie them |
 # | `--criterion annotated_label_smoothing --label-smoothing 0.1` | `LabelSmoothing(V, pad, smoothing=0.1)` inside `SimpleLossCompute` |
 # | `--optimizer adam --adam-betas "(0.9, 0.98)" --adam-eps 1e-9` | `torch.optim.Adam(params, betas=(0.9, 0.98), eps=1e-9)` |
 # | `--lr-scheduler noam --warmup-updates 200` | `LambdaLR(optimizer, lambda step: rate(step, d_model, factor, 200))`; `--noam-factor` is `factor` times the notebook's base `lr` |
-# | `--max-tokens 4096` | `batch_size_fn`: batches of sentences of similar length, up to 4096 tokens each with padding |
+# | `--max-tokens 4096` | `data_gen`'s `batch_size=80` sentences (the 2018 notebook's `batch_size_fn`): batches of sentences of similar length, as many as keep (longest sentence, source or target, with `</s>`) × sentences ≤ 4096, the count a multiple of `--required-batch-size-multiple` (8) |
 # | `--max-epoch 10` | `for epoch in range(10)` |
 # | `--seed 1` | `torch.manual_seed(1)` |
 # | `--save-dir`, `--no-epoch-checkpoints` | `torch.save` after each epoch: here `checkpoint_best.pt` (lowest validation loss) and `checkpoint_last.pt` |
@@ -472,7 +473,8 @@ print("\n".join(line[line.index("epoch"):] for line in log.splitlines()
 # - the forward pass and `loss_compute` are `criterion(model, sample)` in `task.train_step`; the
 #   criterion returns the summed loss and the batch's target tokens (`ntokens`);
 # - `loss.backward()` is in `task.train_step` too; the division by `ntokens` comes after it:
-#   the trainer scales the gradients by 1 / ntokens (summed over all GPUs when there are several);
+#   the trainer scales the gradients by 1 / ntokens, counted over all GPUs and `--update-freq`
+#   batches (by 1 / sentences with `--sentence-avg`);
 # - `optimizer.step()` and `zero_grad()` are the trainer's, then `scheduler.step()` is
 #   `lr_scheduler.step_update(num_updates)`;
 # - the held-out `run_epoch` without an optimizer is `validate` after each epoch (the
@@ -515,8 +517,10 @@ save(fig, "copy_task_loss.png")
 # cache. `fairseq-generate` prints, for each test sentence i (sorted by length):
 #
 # - `S-i`: the source; `T-i`: the reference target;
-# - `H-i`: the hypothesis and its score, the log-probability per token (base 2) that beam search
-#   ranks by; `D-i`: the same, detokenised (identical here: no BPE, no tokenizer);
+# - `H-i`: the hypothesis and its score: the sum of its `P-i` values divided by its length with
+#   `</s>` (to the power `--lenpen`, 1 by default), base 2; the finished hypotheses are ranked by
+#   it (during the search the beams are kept by their summed log-probability);
+#   `D-i`: the same, detokenised (identical here: no BPE, no tokenizer);
 # - `P-i`: the log-probability (base 2) of each token of the hypothesis, `</s>` last.
 
 # %%
@@ -592,7 +596,8 @@ translation = TranslationTask.setup_task(TranslationConfig(  # fairseq-train's d
     required_seq_len_multiple=1))
 translation.load_dataset("valid")
 pairs = translation.dataset("valid")
-sample = pairs.collater([pairs[i] for i in (0, 1, 2)])
+sample = pairs.collater([pairs[i] for i in (0, 1, 2)])  # (re-ordered: longest source first)
+print("validation sentences", sample["id"].tolist())
 words = translation.target_dictionary
 pad = words.pad()
 src_tokens, prev_output_tokens = (sample["net_input"][k] for k in ("src_tokens",
@@ -607,7 +612,7 @@ batch = reference.Batch(right_padded(src_tokens, pad),
                         torch.cat([prev_output_tokens[:, :1], sample["target"]], dim=1), pad)
 print(f"Batch.src:\n{batch.src}\nBatch.src_mask:\n{batch.src_mask.int()}")
 print(f"Batch.tgt:\n{batch.tgt}\nBatch.tgt_y:\n{batch.tgt_y}")
-print(f"Batch.tgt_mask of the third sentence:\n{batch.tgt_mask[2].int()}")
+print(f"Batch.tgt_mask of the third row:\n{batch.tgt_mask[2].int()}")
 print("Batch.ntokens:", batch.ntokens)
 print("the targets, in sub-words:", *(words.string(row[row.ne(pad)]) for row in sample["target"]),
       sep="\n  ")
@@ -653,7 +658,8 @@ print(run("annotated-evaluate-bleu", f"{tatoeba}/bin", f"{tatoeba}/checkpoints/c
 # the encoder's self-attention, the decoder's self-attention and the decoder's attention to the
 # source. Layers and heads are numbered from 1, as in the notebook. Rows are queries, columns
 # the keys they attend to; each row sums to 1. `annotated-attention-heatmaps` writes the same
-# maps one file each.
+# maps one file each, numbered from 0 as its `--layers` and `--heads` are: layer 3, head 1 here
+# is its `decoder_source_layer2_head0.png`.
 #
 # ### Encoder self-attention
 
@@ -700,7 +706,8 @@ save(fig, "decoder_self.png")
 # %% [markdown]
 # ### Decoder source attention
 #
-# Where each target token looks in the source: close to an alignment in the last layers.
+# Where each target token looks in the source: after enough training, some heads come close
+# to a word alignment (the figure in docs/walkthrough.md is from five epochs).
 
 # %%
 fig = draw_layers_and_heads("decoder_source", out_labels, src_labels, "decoder-source attention")

@@ -23,7 +23,7 @@ import sys
 from typing import List, NamedTuple
 from unittest import mock
 
-from ..errors import PluginError, ignore_ctrl_c
+from ..errors import PluginError, pool_worker_signals
 from .common import Progress
 
 CHUNK_LINES = 2000
@@ -142,7 +142,7 @@ def pool(workers: int):
     """``workers`` processes (a context manager that stops them on leaving, on an interrupt
     too), or this process for one."""
     # (Ctrl-C reaches the workers too: the parent stops them, without their tracebacks)
-    return InProcess() if workers == 1 else multiprocessing.Pool(workers, ignore_ctrl_c)
+    return InProcess() if workers == 1 else multiprocessing.Pool(workers, pool_worker_signals)
 
 
 def in_order(workers_pool, function, items, window: int):

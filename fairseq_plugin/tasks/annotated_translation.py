@@ -26,11 +26,12 @@ from fairseq import utils
 from fairseq.data import encoders
 from fairseq.logging import metrics
 from fairseq.tasks import FairseqTask, register_task
-from fairseq.tasks.translation import TranslationConfig, TranslationTask
+from fairseq.tasks.translation import EVAL_BLEU_ORDER, TranslationConfig, TranslationTask
 
 logger = logging.getLogger(__name__)
 
-BLEU_ORDER = 4  # fairseq's --eval-bleu logs 1- to 4-gram counts; its reduce_metrics reads them
+# private-use characters: they share no character with each other or with any text
+UNKNOWN_IN_HYPOTHESIS, UNKNOWN_IN_REFERENCE = "\ue000", "\ue001"
 
 
 def chrf_metric():
@@ -43,9 +44,15 @@ def chrf_metric():
 
 def chrf_statistics(hypotheses: List[str], references: List[str]) -> List[int]:
     """chrF's sufficient statistics of a batch, summed over its sentences (a list of
-    3 x n-gram orders numbers: for each order, hypothesis n-grams, reference n-grams, matches)."""
-    per_sentence = chrf_metric()._extract_corpus_statistics(hypotheses, [references])
-    return [sum(column) for column in zip(*per_sentence)]
+    3 x n-gram orders numbers: for each order, hypothesis n-grams, reference n-grams, matches);
+    zeros for an empty batch, so that every worker logs the same keys."""
+    metric = chrf_metric()
+    per_sentence = metric._extract_corpus_statistics(hypotheses, [references])
+    return [sum(column) for column in zip(*per_sentence)] or [0] * n_statistics(metric)
+
+
+def n_statistics(metric) -> int:
+    return 3 * (metric.char_order + metric.word_order)
 
 
 def chrf_from_statistics(totals: List[float]) -> float:
@@ -58,7 +65,9 @@ class AnnotatedTranslationConfig(TranslationConfig):
     eval_chrf: bool = field(default=False, metadata={
         "help": "evaluation with chrF scores (logged as chrf; --best-checkpoint-metric chrf "
                 "--maximize-best-checkpoint-metric selects by it); generation and "
-                "detokenisation follow the --eval-bleu-* options"})
+                "detokenisation follow the --eval-bleu-* options: on BPE and Moses-tokenised "
+                "data give --eval-bleu-remove-bpe and --eval-bleu-detok moses, or chrF counts "
+                "the markup's characters"})
 
 
 @register_task("annotated_translation", dataclass=AnnotatedTranslationConfig)
@@ -90,23 +99,24 @@ class AnnotatedTranslationTask(TranslationTask):
                                          tokenize="none" if self.cfg.eval_tokenized_bleu else "13a")
             logging_output["_bleu_sys_len"], logging_output["_bleu_ref_len"] = (bleu.sys_len,
                                                                                 bleu.ref_len)
-            for n in range(BLEU_ORDER):
+            for n in range(EVAL_BLEU_ORDER):  # fairseq's --eval-bleu keys
                 logging_output[f"_bleu_counts_{n}"] = bleu.counts[n]
                 logging_output[f"_bleu_totals_{n}"] = bleu.totals[n]
         return loss, sample_size, logging_output
 
     def translate(self, sample, model) -> Tuple[List[str], List[str]]:
         """Beam search over the batch: (best hypotheses, references), each as text with the BPE
-        removed and detokenised, in the batch's order. An unknown word is written differently
-        on each side, so that it never counts as a match (the idea of fairseq's --eval-bleu)."""
+        removed and detokenised, in the batch's order. An unknown word is written as a different
+        single character on each side, so that it never counts as a match, neither as a word
+        (BLEU; the idea of fairseq's --eval-bleu) nor in character n-grams (chrF)."""
         def text(tokens, unknown):
             line = self.tgt_dict.string(tokens.int().cpu(), self.cfg.eval_bleu_remove_bpe,
                                         unk_string=unknown)
             return self.tokenizer.decode(line) if self.tokenizer else line
 
         found = self.inference_step(self.sequence_generator, [model], sample, prefix_tokens=None)
-        hypotheses = [text(beams[0]["tokens"], "UNKNOWNTOKENINHYP") for beams in found]
-        references = [text(utils.strip_pad(target, self.tgt_dict.pad()), "UNKNOWNTOKENINREF")
+        hypotheses = [text(beams[0]["tokens"], UNKNOWN_IN_HYPOTHESIS) for beams in found]
+        references = [text(utils.strip_pad(target, self.tgt_dict.pad()), UNKNOWN_IN_REFERENCE)
                       for target in sample["target"]]
         if self.cfg.eval_bleu_print_samples:
             logger.info(f"example hypothesis: {hypotheses[0]}")
@@ -117,7 +127,7 @@ class AnnotatedTranslationTask(TranslationTask):
         super().reduce_metrics(logging_outputs, criterion)
         if not self.cfg.eval_chrf:
             return
-        n_stats = 3 * (chrf_metric().char_order + chrf_metric().word_order)
+        n_stats = n_statistics(chrf_metric())
         totals = [sum(log.get(f"_chrf_stat_{i}", 0) for log in logging_outputs)
                   for i in range(n_stats)]
         if not any(totals):  # training's outputs, or no validation batch
