@@ -1,5 +1,6 @@
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from argparse import Namespace
@@ -14,6 +15,13 @@ from fairseq.data import Dictionary
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.torch_release import TORCH_RELEASE
 from fairseq.models import MODEL_REGISTRY
+
+# A suite started in the background of a non-interactive shell (`make test &`) inherits SIGINT
+# ignored, and so would every command the tests start: the tests that stop commands with Ctrl-C's
+# signal would wait for them in vain. The commands get SIGINT's default action back (exec keeps
+# an ignored signal ignored, and resets a handled one).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGIN_DIR = os.path.dirname(os.path.abspath(fairseq_plugin.__file__))
