@@ -65,8 +65,10 @@ def score(data_bin, hyps, settings, subset="test"):
                           f"{data_bin}/raw/{subset}.{settings['target_lang']}: the data-bin's "
                           f"binarised and raw {subset} sets differ; prepare it again")
     ordered = [hyps[i] for i in range(len(refs))]
-    scores = []  # (score, its signature) for BLEU, then chrF (chrF2: sacreBLEU's defaults)
-    for metric in (sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()):
+    from ..tasks.annotated_translation import chrf_metric  # validation's --eval-chrf too
+
+    scores = []  # (score, its signature) for BLEU, then chrF
+    for metric in (sacrebleu.metrics.BLEU(), chrf_metric()):
         scores.append((metric.corpus_score(ordered, [refs]), metric.get_signature()))
     return scores, list(zip(sources, refs, ordered))
 
