@@ -46,6 +46,7 @@ setup(
             "annotated-copy-data=fairseq_plugin.cli.reverse_task:copy_main",
             "annotated-export-fairseq=fairseq_plugin.export:main",
             "annotated-benchmark=fairseq_plugin.benchmark.main:main",
+            "annotated-benchmark-learning=fairseq_plugin.cli.learning:main",
         ],
     },
 )

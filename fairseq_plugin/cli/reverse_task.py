@@ -1,5 +1,5 @@
-"""Two synthetic sanity tasks: the notebook's first example, copying a sequence of symbols, and
-"learn to reverse a sequence".
+"""Synthetic sanity tasks: the notebook's first example, copying a sequence of symbols, "learn to
+reverse a sequence", and sorting one (annotated-benchmark-learning's third task).
 
 ``annotated-copy-data OUT_DIR`` and ``annotated-reverse-data OUT_DIR`` write
 {train,valid,test}.{src,tgt}, one space-separated sequence per line; the target is the source
@@ -18,7 +18,8 @@ from .common import fairseq_cli, plugin_dir
 ALPHABET = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 # the target of each task, from the source; and the task's defaults (length, alphabet size)
 TASKS = {"reverse": (lambda seq: seq[::-1], dict(min_len=3, max_len=12, vocab=20)),
-         "copy": (lambda seq: seq, dict(min_len=10, max_len=10, vocab=10))}
+         "copy": (lambda seq: seq, dict(min_len=10, max_len=10, vocab=10)),
+         "sort": (sorted, dict(min_len=3, max_len=12, vocab=20))}
 
 
 def write_split(path_prefix: str, count: int, rng: random.Random, min_len: int, max_len: int,
