@@ -192,10 +192,11 @@ show_source(reference.attention, reference.MultiHeadedAttention.forward)
 #
 # | argument | what it is for |
 # |---|---|
-# | `query`, `memory` | the notebook's `query` (in training, its real tokens only, as `PackedRows`: the projections skip padding, `modules/packing.py`), and `key` = `value` = the encoder's output in the decoder's source attention (`None`: self-attention) |
+# | `query`, `memory` | the notebook's `query`, and `key` = `value` = the encoder's output in the decoder's source attention (`None`: self-attention) |
 # | `mask` | the notebook's mask with a head axis: (B, 1, T, S), True where a query may look |
 # | `incremental_state` | fairseq's cache while beam search decodes one token at a time: the keys and values of earlier steps are kept, not recomputed (`modules/cache.py`) |
 # | `need_weights` | return the weights (B, h, T, S), for the heat-maps at the end; otherwise the fused kernel |
+# | `packing` | in training, the projections run on real tokens only, not on padding (`modules/packing.py`) |
 
 # %%
 from fairseq_plugin.modules.attention import MultiHeadedAttention  # noqa: E402

@@ -23,7 +23,7 @@ import re
 import shlex
 import statistics
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 from . import reverse_task
 from .common import fairseq_cli, plugin_dir, run
@@ -61,6 +61,12 @@ def train_command(arch: str, data_bin: str, save_dir: str, epochs: int, seed: in
     return [fairseq_cli("fairseq-train"), data_bin, "--user-dir", plugin_dir(), "--arch", arch,
             *MODEL_FLAGS, *TRAINING_FLAGS, "--max-epoch", str(epochs), "--seed", str(seed),
             "--save-dir", save_dir, *extra]
+
+
+def order(seed: int) -> Tuple[str, ...]:
+    """The two models in the order a seed trains them: alternating from seed to seed, so that a
+    machine's drift favours neither."""
+    return ARCHS if seed % 2 else ARCHS[::-1]
 
 
 def training_figures(log_path: str) -> Dict[str, float]:
@@ -159,7 +165,7 @@ def main(argv=None):
     for task in args.tasks:
         data_bin = prepare_task(task, work_dir, args.train_size, quiet)
         for seed in range(1, args.seeds + 1):
-            for arch in ARCHS if seed % 2 else ARCHS[::-1]:
+            for arch in order(seed):
                 r = one_run(task, arch, seed, data_bin, work_dir, args.epochs, extra, quiet)
                 results.append(r)
                 print(f"  {task:8} {arch:22} seed {seed}: exact match {r['exact_match']:.3f}, "

@@ -16,7 +16,7 @@ Shapes: B batch, T query length, S key length, h heads, d_k = d_model / h.
 
 import contextlib
 import math
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from .cache import (Ancestry, BeamReorder, KeyValueCache, SelfAttentionCache,
                     SourceAttentionCache)
 from ..torch_release import TORCH_RELEASE
 from .dropout import Dropout
-from .packing import Packing, PackedRows, unwrap
+from .packing import NO_PACKING, Packing
 
 # Since torch 2.5, scaled_dot_product_attention's CPU kernels return zeros for a query whose boolean
 # mask allows no key (a left-padded target's padding); older versions return NaN there, in the
@@ -232,16 +232,15 @@ class MultiHeadedAttention(nn.Module):
         if linear_init == "fairseq":
             nn.init.zeros_(self.out_proj.bias)
 
-    def forward(self, query: Union[Tensor, PackedRows], memory: Optional[Tensor] = None,
-                mask: Optional[Tensor] = None, incremental_state: Optional[IncrementalState] = None,
-                need_weights: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-        """query (B, T, d_model), or in training its real rows (N, d_model) as ``PackedRows``
-        (packing.py; the output is then real rows too); memory (B, S, d_memory) for
-        encoder-decoder attention, None for self-attention; mask (B or 1, 1, T or 1, S), True
-        where a query may attend (and, where the module is causal, no later position either);
-        incremental_state: fairseq's, holding this module's cache while decoding. Returns the
-        output, shaped as the query, and, if need_weights, the weights (B, h, T, S)."""
-        query, packing = unwrap(query)  # packing: NO_PACKING for a (B, T, d_model) query
+    def forward(self, query: Tensor, memory: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                incremental_state: Optional[IncrementalState] = None, need_weights: bool = False,
+                packing: Packing = NO_PACKING) -> Tuple[Tensor, Optional[Tensor]]:
+        """query (B, T, d_model), or its real rows (N, d_model) under ``RealPositions`` (training);
+        memory (B, S, d_memory) for encoder-decoder attention, None for self-attention; mask
+        (B or 1, 1, T or 1, S), True where a query may attend (and, where the module is causal,
+        no later position either); incremental_state: fairseq's, holding this module's cache
+        while decoding. Returns the output, shaped as the query, and, if need_weights, the
+        weights (B, h, T, S)."""
         cache = self.cache(incremental_state)
         # 1) "linearly project the queries, keys and values h times": (B, L, d_model) ->
         #    (B, h, L, d_k); no keys and values when the cache already holds the source's

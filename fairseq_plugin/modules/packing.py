@@ -7,18 +7,16 @@ padding" of NVIDIA's FasterTransformer / Effective Transformer; fairseq's transf
 every padded position.
 
 The layers of modules/layers.py take the packing as an argument and run their usual ``forward``
-on the rows they are given; only ``MultiHeadedAttention`` looks at it: it is given its query as
-``PackedRows`` (the rows and where they sit, as torch's RNNs take a ``PackedSequence``), unpacks
-its projections before attending and packs its output after W^O (W^O runs on padding too: its
-input is then the attention kernel's output, which backward keeps anyway, instead of a packed
-copy kept besides).
+on the rows they are given; only ``MultiHeadedAttention`` looks at it, to unpack its projections
+before attending and pack its output after W^O (W^O runs on padding too: its input is then the
+attention kernel's output, which backward keeps anyway, instead of a packed copy kept besides).
 A ``Packing`` is either ``RealPositions`` or ``AllPositions`` (``NO_PACKING``, the default),
 which leaves a batch as it is.
 The results at real positions are the same either way (tested); only the work on padding is saved
 (docs/benchmarks.md). The model's ``--no-packing`` leaves every batch as it is.
 """
 
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -49,10 +47,6 @@ class RealPositions:
         else:  # reads N back itself
             self.index = flat.nonzero().squeeze(1)
 
-    def with_rows(self, rows: Tensor) -> "PackedRows":
-        """``rows`` (N, ...), the real positions' rows, with where they sit."""
-        return PackedRows(rows, self)
-
     def pack(self, x: Tensor) -> Tensor:
         """(B, L, ...) -> (N, ...)"""
         return x.reshape(-1, *x.shape[2:]).index_select(0, self.index)
@@ -69,10 +63,6 @@ class AllPositions:
     """Every position, padding included: the batch as it is."""
 
     @staticmethod
-    def with_rows(rows: Tensor) -> Tensor:
-        return rows
-
-    @staticmethod
     def pack(x: Tensor) -> Tensor:
         return x
 
@@ -83,20 +73,6 @@ class AllPositions:
 
 NO_PACKING = AllPositions()
 Packing = Union[RealPositions, AllPositions]  # which positions a layer's input rows are
-
-
-class PackedRows(NamedTuple):
-    """The real positions' rows (N, d) of a (B, L, d) batch and where they sit: a query of
-    ``MultiHeadedAttention`` under packing (``Packing.with_rows``)."""
-    rows: Tensor
-    positions: RealPositions
-
-
-def unwrap(query: Union[Tensor, PackedRows]) -> "tuple[Tensor, Packing]":
-    """A query's rows and their packing (NO_PACKING for a plain (B, L, d) tensor)."""
-    if isinstance(query, PackedRows):
-        return query.rows, query.positions
-    return query, NO_PACKING
 
 
 def packing_for(padding_mask: Optional[Tensor], padded: int,
