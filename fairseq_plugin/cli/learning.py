@@ -81,26 +81,24 @@ def training_figures(log_path: str) -> Dict[str, float]:
     return {"valid_nll": min(nll), "train_seconds": float(seconds[-1])}
 
 
-def mean_sd(values: List[float]) -> str:
+def mean_sd(values: List[float], digits: int = 3) -> str:
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
+    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
 
 
 def table(results: List[dict], tasks, archs=ARCHS) -> str:
     """One row per task and model: means ± standard deviations over seeds."""
-    lines = [f"| task | model | seeds | exact match | valid NLL (bits) | training (s) |",
+    lines = ["| task | model | seeds | exact match | valid NLL (bits) | training (s) |",
              "|---|---|---|---|---|---|"]
     for task in tasks:
         for arch in archs:
             runs = [r for r in results if r["task"] == task and r["arch"] == arch]
             if not runs:
                 continue
-            seconds = [r["train_seconds"] for r in runs]
-            sd = statistics.stdev(seconds) if len(seconds) > 1 else 0.0
             lines.append(f"| {task} | {arch} | {len(runs)} | "
                          f"{mean_sd([r['exact_match'] for r in runs])} | "
                          f"{mean_sd([r['valid_nll'] for r in runs])} | "
-                         f"{statistics.mean(seconds):.0f} ± {sd:.0f} |")
+                         f"{mean_sd([r['train_seconds'] for r in runs], 0)} |")
     return "\n".join(lines)
 
 
