@@ -28,13 +28,19 @@ PYTHON310 ?= $(shell for p in $(HOME)/.pyenv/versions/3.10*/bin/python3.10 pytho
 VENV310 ?= .venv310
 TORCH310 ?= torch==2.1.2 torchaudio==2.1.2 numpy<2
 LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= PIP="pip<24.1"
-# the suite, in two pytest runs of about equal time: the model and fairseq's CLIs (the reverse
-# task's trained model, a session fixture, serves these files only), then every other file
-TESTS_MODEL = tests/test_attention.py tests/test_criterion_and_schedule.py tests/test_dropout.py \
+# the suite on two pytest-xdist workers of one thread each (files whole, those that use the
+# reverse task's trained model together: tests/conftest.py), in this order: the model and
+# fairseq's CLIs (TESTS_MODEL: the reverse task's training starts at once), the walkthrough (the
+# longest test), the rest. On 2 cores: 2 workers of 1 thread each took 10.4 minutes for the
+# pipeline files that one process of 2 threads ran in 17.6.
+TEST_WORKERS ?= 2
+PYTEST = OMP_NUM_THREADS=1 $(1)/bin/python -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --no-loadscope-reorder
+TESTS_MODEL = tests/test_cli.py tests/test_export.py tests/test_attention.py \
+              tests/test_criterion_and_schedule.py tests/test_dropout.py \
               tests/test_incremental_decoding.py tests/test_mixed_precision.py tests/test_model.py \
-              tests/test_cli.py tests/test_export.py tests/test_cuda.py
+              tests/test_cuda.py
 TESTS_PIPELINE = $(filter-out $(TESTS_MODEL) $(TESTS_WALKTHROUGH),$(sort $(wildcard tests/test_*.py)))
-# the walkthrough runs once, in the main lane (about 3 minutes)
+# the walkthrough runs in the main lane only (about 3 minutes)
 TESTS_WALKTHROUGH = tests/test_walkthrough.py
 
 .PHONY: demo demo-reverse demo-copy walkthrough walkthrough-run test test-main test-fairseq-0.12.2 test-gpu install install310 clean clean-work FORCE
@@ -87,9 +93,7 @@ demo-copy: install
 test: test-main test-fairseq-0.12.2
 
 test-main: install
-	$(PY) -m pytest -q -rs --durations=15 $(TESTS_MODEL)
-	$(PY) -m pytest -q -rs --durations=15 $(TESTS_PIPELINE)
-	$(PY) -m pytest -q -rs --durations=15 $(TESTS_WALKTHROUGH)
+	$(call PYTEST,$(VENV)) $(TESTS_MODEL) $(TESTS_WALKTHROUGH) $(TESTS_PIPELINE)
 	@echo "the GPU lane's tests on the CPU (their code, not the GPU's paths):"
 	ANNOTATED_TEST_DEVICE=cpu $(PY) -m pytest -q -rs -m cuda -k "not two_ranks and not mixed_precision" tests
 
@@ -106,8 +110,8 @@ test-fairseq-0.12.2:
 	  echo "SKIPPED the fairseq 0.12.2 lane: no python3.10 on PATH or in ~/.pyenv (PYTHON310=...)"; \
 	else \
 	  $(MAKE) --no-print-directory install $(LANE310) && \
-	  ANNOTATED_REVERSE_EPOCHS=10 $(VENV310)/bin/python -m pytest -q -rs -m "not main_lane" $(TESTS_MODEL) && \
-	  $(VENV310)/bin/python -m pytest -q -rs -m "not main_lane" $(TESTS_PIPELINE); fi
+	  ANNOTATED_REVERSE_EPOCHS=10 $(call PYTEST,$(VENV310)) -m "not main_lane" $(TESTS_MODEL) \
+	    $(TESTS_PIPELINE); fi
 
 # the tests whose behaviour depends on the device, on a CUDA GPU (skipped, with the reason, without)
 test-gpu: install

@@ -29,8 +29,8 @@ setup(
         "subword-nmt",
         "sacrebleu>=2",
     ],
-    extras_require={"test": ["pytest", "matplotlib", "ctranslate2", "jupytext", "nbclient",
-                             "ipykernel"],
+    extras_require={"test": ["pytest", "pytest-xdist", "matplotlib", "ctranslate2", "jupytext",
+                             "nbclient", "ipykernel"],
                     "viz": ["matplotlib"],
                     "export": ["ctranslate2"],
                     # examples/walkthrough in Jupyter (make walkthrough)

@@ -23,6 +23,31 @@ from fairseq.models import MODEL_REGISTRY
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+
+# `make test` runs the suite on two pytest-xdist workers. Each file goes whole to one worker, as
+# its module fixtures expect, and the files that use the reverse task's trained model (the
+# reverse_run session fixture) go together to one, which trains it once.
+REVERSE_RUN_FILES = ("test_cli.py", "test_export.py")
+
+
+@pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist's, called where it runs)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesWithTheReverseRunTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::")[0]
+            return "reverse_run" if os.path.basename(path) in REVERSE_RUN_FILES else path
+
+    return FilesWithTheReverseRunTogether(config, log)
+
+
+def pytest_itemcollected(item):
+    if "reverse_run" in item.fixturenames and item.path.name not in REVERSE_RUN_FILES:
+        raise pytest.UsageError(f"{item.nodeid} uses reverse_run: add its file to conftest's "
+                                "REVERSE_RUN_FILES, which go to one pytest-xdist worker")
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGIN_DIR = os.path.dirname(os.path.abspath(fairseq_plugin.__file__))
 BIN = os.path.dirname(sys.executable)
