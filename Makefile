@@ -28,20 +28,19 @@ PYTHON310 ?= $(shell for p in $(HOME)/.pyenv/versions/3.10*/bin/python3.10 pytho
 VENV310 ?= .venv310
 TORCH310 ?= torch==2.1.2 torchaudio==2.1.2 numpy<2
 LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= PIP="pip<24.1"
-# the suite on two pytest-xdist workers of one thread each (files whole, those that use the
-# reverse task's trained model together: tests/conftest.py), in this order: the model and
-# fairseq's CLIs (TESTS_MODEL: the reverse task's training starts at once), the walkthrough (the
-# longest test), the rest. On 2 cores: 2 workers of 1 thread each took 10.4 minutes for the
-# pipeline files that one process of 2 threads ran in 17.6.
+# the suite on two pytest-xdist workers of one thread each (files whole, the two that use the
+# reverse task's trained model together: tests/conftest.py). They take the files in this order:
+# those two first (the reverse task's training starts at once), then the longest (the walkthrough
+# runs in the main lane only), then the rest, short ones to fill the end. On 2 cores, 2 workers of
+# 1 thread took 10.4 minutes for the files that one process of 2 threads ran in 17.6.
 TEST_WORKERS ?= 2
 PYTEST = OMP_NUM_THREADS=1 $(1)/bin/python -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --no-loadscope-reorder
-TESTS_MODEL = tests/test_cli.py tests/test_export.py tests/test_attention.py \
-              tests/test_criterion_and_schedule.py tests/test_dropout.py \
-              tests/test_incremental_decoding.py tests/test_mixed_precision.py tests/test_model.py \
-              tests/test_cuda.py
-TESTS_PIPELINE = $(filter-out $(TESTS_MODEL) $(TESTS_WALKTHROUGH),$(sort $(wildcard tests/test_*.py)))
-# the walkthrough runs in the main lane only (about 3 minutes)
 TESTS_WALKTHROUGH = tests/test_walkthrough.py
+TESTS_FIRST = tests/test_cli.py tests/test_export.py $(TESTS_WALKTHROUGH) tests/test_learning.py \
+              tests/test_benchmark.py tests/test_compiled.py tests/test_preemption.py \
+              tests/test_translation_pipeline.py tests/test_resume.py tests/test_prepare_streaming.py \
+              tests/test_hydra.py
+TESTS = $(TESTS_FIRST) $(filter-out $(TESTS_FIRST),$(sort $(wildcard tests/test_*.py)))
 
 .PHONY: demo demo-reverse demo-copy walkthrough walkthrough-run test test-main test-fairseq-0.12.2 test-gpu install install310 clean clean-work FORCE
 
@@ -93,7 +92,7 @@ demo-copy: install
 test: test-main test-fairseq-0.12.2
 
 test-main: install
-	$(call PYTEST,$(VENV)) $(TESTS_MODEL) $(TESTS_WALKTHROUGH) $(TESTS_PIPELINE)
+	$(call PYTEST,$(VENV)) $(TESTS)
 	@echo "the GPU lane's tests on the CPU (their code, not the GPU's paths):"
 	ANNOTATED_TEST_DEVICE=cpu $(PY) -m pytest -q -rs -m cuda -k "not two_ranks and not mixed_precision" tests
 
@@ -110,8 +109,8 @@ test-fairseq-0.12.2:
 	  echo "SKIPPED the fairseq 0.12.2 lane: no python3.10 on PATH or in ~/.pyenv (PYTHON310=...)"; \
 	else \
 	  $(MAKE) --no-print-directory install $(LANE310) && \
-	  ANNOTATED_REVERSE_EPOCHS=10 $(call PYTEST,$(VENV310)) -m "not main_lane" $(TESTS_MODEL) \
-	    $(TESTS_PIPELINE); fi
+	  ANNOTATED_REVERSE_EPOCHS=10 $(call PYTEST,$(VENV310)) -m "not main_lane" \
+	    $(filter-out $(TESTS_WALKTHROUGH),$(TESTS)); fi
 
 # the tests whose behaviour depends on the device, on a CUDA GPU (skipped, with the reason, without)
 test-gpu: install

@@ -200,17 +200,21 @@ def _seed():
     torch.manual_seed(0)
 
 
-def reverse_data_bin(work, *reverse_args, joined=True, splits=("train", "valid", "test")):
-    """Generate the reverse task under work/raw and binarise it into work/bin."""
+def reverse_data_bin(work, *reverse_args, joined=True, splits=("train", "valid", "test"),
+                     preprocess=()):
+    """Generate the reverse task under work/raw and binarise it into work/bin (``preprocess``:
+    more flags for fairseq-preprocess)."""
 
     reverse_task.main([str(work / "raw"), *map(str, reverse_args)])
-    return preprocess_reverse(work / "raw", work / "bin", joined=joined, splits=splits)
+    return preprocess_reverse(work / "raw", work / "bin", joined=joined, splits=splits,
+                              preprocess=preprocess)
 
 
-def preprocess_reverse(raw, dest, joined=True, splits=("train", "valid", "test")):
+def preprocess_reverse(raw, dest, joined=True, splits=("train", "valid", "test"), preprocess=()):
     cli("fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
         *[f for s in splits for f in (f"--{s}pref", f"{raw}/{s}")],
-        "--destdir", dest, "--workers", "2", *(["--joined-dictionary"] if joined else []))
+        "--destdir", dest, "--workers", "2", *(["--joined-dictionary"] if joined else []),
+        *preprocess)
     return dest
 
 

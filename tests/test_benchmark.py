@@ -13,12 +13,10 @@ import time
 import pytest
 import torch
 
-from conftest import (FAIRSEQ_BREAKS_POST_LN, cli, preprocess_reverse, reverse_data_bin,
-                      running_with)
+from conftest import FAIRSEQ_BREAKS_POST_LN, preprocess_reverse, reverse_data_bin, running_with
 
 from fairseq_plugin.benchmark import child, common, data, main, memory, report, runs, steps
 from fairseq_plugin.benchmark.child import Device
-from fairseq_plugin.cli import reverse_task
 
 BENCHMARK = [sys.executable, "-m", "fairseq_plugin.benchmark"]  # annotated-benchmark
 OURS, THEIRS = common.OURS, common.THEIRS
@@ -50,10 +48,6 @@ def record_training_steps(monkeypatch, what):
     monkeypatch.setattr(Trainer, "train_step", lambda self, samples, *a, **k: (
         kept.append(what(self)), train_step(self, samples, *a, **k))[1])
     return kept
-
-
-def tiny_data_bin(tmp_path, test=10):
-    return str(reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 20, "--test", test))
 
 
 @pytest.mark.main_lane  # for CI's time; the 0.12.2 lane keeps in-process steps and MFU
@@ -274,11 +268,8 @@ def test_a_ratio_row_gives_the_median_of_the_per_round_ratios_not_the_ratio_of_m
 def test_decoding_part_of_a_test_set_takes_its_first_sentences(tmp_path, dataset_impl):
     from fairseq.data import Dictionary, data_utils
 
-    reverse_task.main([str(tmp_path / "raw"), "--train", "50", "--valid", "10", "--test", "30"])
-    data_bin = tmp_path / "bin"
-    cli("fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
-        *[f for s in ("train", "valid", "test") for f in (f"--{s}pref", f"{tmp_path}/raw/{s}")],
-        "--destdir", data_bin, "--joined-dictionary", "--dataset-impl", dataset_impl)
+    data_bin = reverse_data_bin(tmp_path, "--train", 50, "--valid", 10, "--test", 30,
+                                preprocess=["--dataset-impl", dataset_impl])
     subset = data.first_test_sentences(str(data_bin), 7, str(tmp_path / "work"))
     for lang in ("src", "tgt"):
         d = Dictionary.load(os.path.join(data_bin, f"dict.{lang}.txt"))
