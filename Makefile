@@ -31,8 +31,8 @@ LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= P
 # the suite on two pytest-xdist workers of one thread each (files whole, the two that use the
 # reverse task's trained model together: tests/conftest.py). They take the files in this order:
 # those two first (the reverse task's training starts at once), then the longest (the walkthrough
-# runs in the main lane only), then the rest, short ones to fill the end. On 2 cores, 2 workers of
-# 1 thread took 10.4 minutes for the files that one process of 2 threads ran in 17.6.
+# runs in the main lane only), then the rest, short ones to fill the end. On 2 cores both lanes'
+# tests took 24 minutes so, 41 in one process of 2 threads a run.
 TEST_WORKERS ?= 2
 PYTEST = OMP_NUM_THREADS=1 $(1)/bin/python -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --no-loadscope-reorder
 TESTS_WALKTHROUGH = tests/test_walkthrough.py
