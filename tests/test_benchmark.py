@@ -333,11 +333,6 @@ def test_bad_benchmark_options_are_one_error_line_before_any_work(args, message,
     assert sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
-def setup_code(command):
-    """The Python code that a benchmark's child process runs before fairseq's script (-c's)."""
-    return command[command.index("-c") + 1]
-
-
 class StandInAllocator:
     """torch.cuda's counters as child.PeakCounter uses them: ``use`` makes a block of n_bytes at
     an address, or without n_bytes frees the one there."""
@@ -394,7 +389,7 @@ def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsy
                                                           "allocated")
     assert Device().peak(out, 7.0) == (7.0, "")
     command = Device("cuda", "fp16").command(["fairseq-train", "x"])
-    setup = setup_code(command)
+    setup = command[command.index("-c") + 1]  # the child's code before fairseq's script
     # the child imports child.py by its path, not through the package (whose __init__ would
     # register the plugin before fairseq imports its --user-dir), and edits no sys.path
     here = os.path.dirname(child.__file__)
