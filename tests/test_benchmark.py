@@ -21,8 +21,7 @@ from fairseq_plugin.benchmark.child import Device
 BENCHMARK = [sys.executable, "-m", "fairseq_plugin.benchmark"]  # annotated-benchmark
 OURS, THEIRS = common.OURS, common.THEIRS
 
-# the CPU's step peak (memory.StorageTrace) watches storages' Python objects: torch 2.1.2's do
-# not live as long as their storages
+# the CPU's step peak watches storages' Python objects; torch 2.1.2's die before their storages
 needs_watchable_storages = pytest.mark.skipif(
     not memory.storages_keep_their_python_object(), reason=memory.UNSUPPORTED)
 
@@ -52,8 +51,7 @@ def record_training_steps(monkeypatch, what):
 
 @pytest.mark.main_lane  # for CI's time; the 0.12.2 lane keeps in-process steps and MFU
 def test_the_benchmark_prints_each_ratio_from_the_figures_beside_it_and_the_cache_table(tmp_path):
-    # a test set of 40, of which the first 16 are decoded (the benchmark checks fairseq-generate's
-    # count of translated sentences)
+    # of 40 test sentences the first 16 decoded (checked against fairseq-generate's count)
     data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 50, "--test", 40)
     out = benchmark("--data-bin", str(data_bin), "--rounds", "1", "--train-updates", "20",
                     "--gen-length", "8", "--cache-lengths", "4", "--skip-ctranslate2",
@@ -115,10 +113,9 @@ def check_step_ratio(out, name):
 
 def test_steps_in_process_time_the_contestants_and_count_what_a_step_keeps_and_holds(
         tmp_path, capsys, monkeypatch):
-    """Each step ratio from the sums beside it; what one training forward keeps for backward
-    (more with packing off), by operator; what one step holds at its peak, read by the device's
-    counter around exactly one step of each model (the figures printed are its readings). Where
-    torch cannot watch storages, one line says so instead."""
+    """Each step ratio from the sums beside it; what a training forward keeps for backward (more
+    with packing off), by operator; what a step holds at its peak, the device counter's readings
+    around exactly one step of each model. Where torch cannot watch storages, one line says so."""
     data_bin = data.make_data(str(tmp_path), 400, 16, 6000)  # much target padding
     stepped = record_training_steps(monkeypatch, lambda trainer: trainer.model)
     counter, readings = memory.step_peak_counter(Device()), []
@@ -338,10 +335,8 @@ class StandInAllocator:
     an address, or without n_bytes frees the one there."""
 
     def __init__(self):
-        self.allocated, self.peak, self.blocks = 0, 0, {}
-        self.synchronize = lambda: None
-        self.memory_allocated, self.max_memory_allocated = (lambda: self.allocated,
-                                                            lambda: self.peak)
+        self.allocated, self.peak, self.blocks, self.synchronize = 0, 0, {}, lambda: None
+        self.memory_allocated, self.max_memory_allocated = lambda: self.allocated, lambda: self.peak
 
     def reset_peak_memory_stats(self):
         self.peak = self.allocated
@@ -403,9 +398,8 @@ def test_the_gpu_peak_outlasts_fairseqs_resets_of_the_counter(monkeypatch, capsy
 def test_the_cpu_peak_counts_each_storage_from_the_operator_that_makes_it_to_its_freeing(
         monkeypatch):
     """memory.StoragePeakCounter, the CPU's child.PeakCounter: a storage counts from the operator
-    that made it until it is freed, autograd's backward included; views and in-place results add
-    nothing (also of a tensor it did not find among Python's objects); one alive before the work
-    and freed in it counts negative."""
+    that made it until it is freed, backward included; views and in-place results add nothing
+    (also of a tensor not among Python's objects); one freed in the work counts negative."""
     held = [torch.ones(1000)]  # 4000 bytes made before the work
 
     def work():
@@ -494,14 +488,11 @@ def test_skip_generation_measures_training_alone_and_decodes_nothing(tmp_path):
 @NO_GENERATION
 def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_other_models(
         tmp_path):
-    """--contestants adds annotated_transformer trained (and so decoding) with
-    --fused-attention-backends torch to every round, and one trained with --no-packing; SIGTERM
-    (a timeout's) in the second round prints the table of the first, stops fairseq's command
-    and ends in one error line. In bf16: fairseq 0.12's --bf16 also switches on --tpu, and
-    fairseq-generate has no bf16; the benchmark's fairseq processes train with --tpu switched
-    back off (the checkpoint's options: bf16, not tpu; fairseq's trainer then makes the model
-    bf16) and decode the checkpoint turned to bf16 (which the benchmark checks in
-    fairseq-generate's output)."""
+    """SIGTERM (a timeout's) in round 2 prints round 1's table, stops fairseq's command and ends
+    in one error line; each round has the contestants asked for (torch-choice: trained and decoding
+    with --fused-attention-backends torch; without-packing: --no-packing). bf16: fairseq 0.12's
+    --bf16 also switches on --tpu, switched back off in training (the checkpoint says bf16, not
+    tpu); fairseq-generate, which has no bf16, decodes the checkpoint turned to bf16."""
     data_bin = reverse_data_bin(tmp_path / "data", "--train", 400, "--valid", 50, "--test", 16)
     proc = subprocess.Popen(
         [*BENCHMARK, *TINY, "--data-bin", str(data_bin), "--rounds", "2", "--precision", "bf16",
@@ -547,9 +538,8 @@ def test_stopped_by_sigterm_the_benchmark_reports_its_complete_rounds_with_the_o
 
 
 def test_training_speed_after_the_first_epoch_leaves_out_the_first_epoch_and_its_boundary():
-    """fairseq-train's json intervals: the whole run's median skips the first interval; the
-    later median takes only epochs after the first, without the interval that crosses into
-    them; None when the run logged nothing after its first epoch; too few intervals: one line."""
+    """fairseq-train's json intervals: the whole run's median skips the first; the later median
+    takes epochs after the first, less the one crossing into them, or None; too few: one line."""
 
     def log(*intervals):  # (epoch, wps) each, as fairseq-train's train_inner lines
         return "\n".join(f'2026-11-27 | INFO | train_inner | {{"epoch": {e}, "update": 1.5, '
@@ -564,17 +554,14 @@ def test_training_speed_after_the_first_epoch_leaves_out_the_first_epoch_and_its
 
 def test_model_flops_count_each_stacks_layers_the_output_projection_and_the_length_ratio(
         tmp_path):
-    """report.model_flops: 6 x (N_enc x S/T + N_dec + d_model x V), N counted from each model's own layers
-    (here against a count by hand for the tiny preset), S/T from the data's real lengths (here
-    sources three times as long as targets)."""
-    raw = tmp_path / "raw"
-    raw.mkdir()
+    """report.model_flops: 6 x (N_enc x S/T + N_dec + d_model x V), N counted from each model's
+    own layers (against a count by hand for the tiny preset), S/T from the data's real lengths."""
+    (raw := tmp_path / "raw").mkdir()
     for split in ("train", "valid", "test"):
         (raw / f"{split}.src").write_text("a b c d e f\n" * 20)  # 6 tokens + EOS
         (raw / f"{split}.tgt").write_text("a b\n" * 20)  # 2 tokens + EOS
     data_bin = preprocess_reverse(raw, tmp_path / "bin")
-    ratio = report.source_per_target(str(data_bin))
-    assert ratio == pytest.approx(7 / 3)
+    assert report.source_per_target(str(data_bin)) == pytest.approx(7 / 3)
     layers, d, ff, _ = common.PRESETS["tiny"]
     attention, feed_forward, norm = 4 * (d * d + d), d * ff + ff + ff * d + d, 2 * d
     encoder_layer = attention + feed_forward + 2 * norm
