@@ -170,6 +170,7 @@ def test_a_named_corpus_is_downloaded_gunzipped_and_prepared_under_its_split_nam
      "amp or fp32"),
     ({"DEVICE": "tpu"}, "run.sh: error: DEVICE=tpu; use DEVICE=cpu or DEVICE=gpu"),
     ({"EPOCHS": "0"}, "run.sh: error: EPOCHS=0; give a number of epochs >= 1"),
+    ({"SEED": "one"}, "run.sh: error: SEED=one; give a whole number (fairseq's --seed)"),
 ])
 def test_the_multi30k_recipe_refuses_bad_settings_before_it_starts(tmp_path, env, message):
     run = os.path.join(REPO, "examples", "multi30k", "run.sh")
