@@ -47,6 +47,7 @@ setup(
             "annotated-export-fairseq=fairseq_plugin.export:main",
             "annotated-benchmark=fairseq_plugin.benchmark.main:main",
             "annotated-benchmark-learning=fairseq_plugin.cli.learning:main",
+            "annotated-benchmark-deployment=fairseq_plugin.cli.deployment:main",
         ],
     },
 )
