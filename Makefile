@@ -34,7 +34,7 @@ LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= P
 # runs in the main lane only), then the rest, short ones to fill the end. On 2 cores both lanes'
 # tests took 24 minutes so, 41 in one process of 2 threads a run.
 TEST_WORKERS ?= 2
-PYTEST = OMP_NUM_THREADS=1 $(1)/bin/python -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --no-loadscope-reorder
+PYTEST = OMP_NUM_THREADS=1 $(1)/bin/python -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --no-loadscope-reorder
 TESTS_WALKTHROUGH = tests/test_walkthrough.py
 TESTS_FIRST = tests/test_cli.py tests/test_export.py $(TESTS_WALKTHROUGH) tests/test_learning.py \
               tests/test_benchmark.py tests/test_compiled.py tests/test_preemption.py \

@@ -38,6 +38,7 @@ def test_each_engine_translates_the_test_set_and_fairseqs_translations_are_fairs
     assert "signature: nrefs:1|case:mixed|eff:yes|nc:6" in out  # chrF's, beside BLEU's
 
 
+@pytest.mark.main_lane  # the command's own arithmetic, whatever fairseq's version
 def test_the_runs_alternate_and_each_cell_is_the_median_of_its_rounds_and_each_score_its_own(
         trained, tmp_path, monkeypatch, capsys):  # noqa: F811
     """The child processes replaced by a stand-in: each engine's hypotheses its own (the
@@ -75,12 +76,15 @@ def test_the_runs_alternate_and_each_cell_is_the_median_of_its_rounds_and_each_s
     assert float(rows["fairseq"][0]) == 100.0 > float(rows["CTranslate2 int8"][0])
 
 
-def test_bad_options_are_one_line_before_any_work(tmp_path):
-    proc = cli("annotated-benchmark-deployment", tmp_path, tmp_path / "missing.pt", check=False)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        f"annotated-benchmark-deployment: error: {tmp_path} has no prepare.json")
-    proc = cli("annotated-benchmark-deployment", tmp_path, "x.pt", "--threads", "0", check=False)
-    assert proc.stderr.strip().splitlines()[-1].endswith(
+def test_bad_options_are_one_line_before_any_work(tmp_path, capsys):
+    """In this process (the command's start-up paid once): its exit and its last line."""
+    with pytest.raises(SystemExit) as stop:
+        deployment.main([str(tmp_path), str(tmp_path / "missing.pt")])
+    assert stop.value.code == f"annotated-benchmark-deployment: error: {tmp_path} has no " \
+        "prepare.json: give a data-bin made by annotated-prepare (it records the languages, " \
+        "BPE codes and raw text)"
+    with pytest.raises(SystemExit) as stop:
+        deployment.main([str(tmp_path), "x.pt", "--threads", "0"])
+    assert stop.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(
         "argument --threads: '0': give whole numbers of at least 1, separated by commas, e.g. 1,2")
     assert list(tmp_path.iterdir()) == []
