@@ -798,8 +798,8 @@ def test_attention_keeps_its_input_projections_and_kernel_output_nothing_twice(m
         query = packing.pack(torch.randn(B, T, d)).requires_grad_()
         outputs = []
         kept = kept_storages_for_backward(lambda: outputs.append(
-            attn(query, None, packing=packing)[0] if self_attention
-            else attn(query, memory, mask=key_mask, packing=packing)[0]))
+            attn(packing.rows(query))[0] if self_attention
+            else attn(packing.rows(query), memory, mask=key_mask)[0]))
         parameters = {p.untyped_storage().data_ptr() for p in attn.parameters()}
         large = sum(n for ptr, n in kept.items()  # not masks, indices, statistics
                     if n >= B * d * 4 and ptr not in parameters)

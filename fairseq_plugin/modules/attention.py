@@ -16,7 +16,7 @@ Shapes: B batch, T query length, S key length, h heads, d_k = d_model / h.
 
 import contextlib
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from .cache import (Ancestry, BeamReorder, KeyValueCache, SelfAttentionCache,
                     SourceAttentionCache)
 from ..torch_release import TORCH_RELEASE
 from .dropout import Dropout
-from .packing import NO_PACKING, Packing
+from .packing import PackedRows, pack, unpack
 
 # Since torch 2.5, scaled_dot_product_attention's CPU kernels return zeros for a query whose boolean
 # mask allows no key (a left-padded target's padding); older versions return NaN there, in the
@@ -232,19 +232,20 @@ class MultiHeadedAttention(nn.Module):
         if linear_init == "fairseq":
             nn.init.zeros_(self.out_proj.bias)
 
-    def forward(self, query: Tensor, memory: Optional[Tensor] = None, mask: Optional[Tensor] = None,
-                incremental_state: Optional[IncrementalState] = None, need_weights: bool = False,
-                packing: Packing = NO_PACKING) -> Tuple[Tensor, Optional[Tensor]]:
-        """query (B, T, d_model), or its real rows (N, d_model) under ``RealPositions`` (training);
-        memory (B, S, d_memory) for encoder-decoder attention, None for self-attention; mask
-        (B or 1, 1, T or 1, S), True where a query may attend (and, where the module is causal,
-        no later position either); incremental_state: fairseq's, holding this module's cache
-        while decoding. Returns the output, shaped as the query, and, if need_weights, the
-        weights (B, h, T, S)."""
+    def forward(self, query: Union[Tensor, PackedRows], memory: Optional[Tensor] = None,
+                mask: Optional[Tensor] = None,
+                incremental_state: Optional[IncrementalState] = None, need_weights: bool = False
+                ) -> Tuple[Tensor, Optional[Tensor]]:
+        """query (B, T, d_model), or in training its real rows (N, d_model) as ``PackedRows``
+        (packing.py); memory (B, S, d_memory) for encoder-decoder attention, None for
+        self-attention; mask (B or 1, 1, T or 1, S), True where a query may attend (and, where the
+        module is causal, no later position either); incremental_state: fairseq's, holding this
+        module's cache while decoding. Returns the output, shaped as the query's rows, and, if
+        need_weights, the weights (B, h, T, S)."""
         cache = self.cache(incremental_state)
         # 1) "linearly project the queries, keys and values h times": (B, L, d_model) ->
         #    (B, h, L, d_k); no keys and values when the cache already holds the source's
-        q, k, v = self.project(query, memory, cache, packing)
+        q, k, v = self.project(query, memory, cache)
         T, group, causal = q.size(2), 1, self.causal
         if cache is not None:  # decoding: the cache keeps the new keys and values, returns all
             # (mask: now the cache's, additive 0 / -inf over all S keys, or None)
@@ -265,7 +266,9 @@ class MultiHeadedAttention(nn.Module):
             out = torch.where(no_keys, self.out_proj.bias.to(out.dtype), out)
         if weights is not None:
             weights = ungroup_queries(weights, group)  # (B, h, T, S)
-        return packing.pack(out), weights
+        if isinstance(query, PackedRows):
+            out = pack(out, query.index)  # (N, d_model)
+        return out, weights
 
     def read_cache(self, cache: KeyValueCache, k: Optional[Tensor], v: Optional[Tensor],
                    mask: Optional[Tensor], need_weights: bool
@@ -301,15 +304,20 @@ class MultiHeadedAttention(nn.Module):
         if cache is not None:
             cache.reorder(reorder)
 
-    def project(self, query: Tensor, memory: Optional[Tensor], cache: Optional[KeyValueCache],
-                packing: Packing) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    def project(self, query: Union[Tensor, PackedRows], memory: Optional[Tensor],
+                cache: Optional[KeyValueCache]
+                ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         """Q (B, h, T, d_k) and K, V: self-attention's (B, h, T, d_k), or the source's
         (B or B / g, h, S, d_k): one row per distinct row its ``SourceAttentionCache`` keeps, or
         None when the cache already has them. Packed query rows are projected as they are, then
         unpacked to (B, T) for attention."""
+        packed = isinstance(query, PackedRows)
+        x = query.rows if packed else query
         if self.self_attention:
-            return self.split_heads(packing.unpack(self.qkv_proj(query)), 3)
-        (q,) = self.split_heads(packing.unpack(self.q_proj(query)), 1)
+            qkv = self.qkv_proj(x)
+            return self.split_heads(unpack(qkv, query.real, query.index) if packed else qkv, 3)
+        q = self.q_proj(x)
+        (q,) = self.split_heads(unpack(q, query.real, query.index) if packed else q, 1)
         if cache is not None and not cache.is_empty():
             return q, None, None
         source = memory if cache is None else cache.distinct_rows(memory)

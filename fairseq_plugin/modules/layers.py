@@ -34,12 +34,13 @@ class SublayerConnection(nn.Module):
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         return self.output(x, sublayer(self.input(x)))
 
-    def attention(self, x: Tensor, attention: MultiHeadedAttention, *args, **kwargs
-                  ) -> Tuple[Tensor, Optional[Tensor]]:
+    def attention(self, x: Tensor, attention: MultiHeadedAttention, *args,
+                  packing: Packing = NO_PACKING, **kwargs) -> Tuple[Tensor, Optional[Tensor]]:
         """The same around an attention sub-layer, ``attention(input(x), *args, **kwargs)``,
         returning its weights too (None unless asked for): the notebook's
-        ``sublayer(x, lambda x: self_attn(x, x, x, mask))``, written without a closure."""
-        out, weights = attention(self.input(x), *args, **kwargs)
+        ``sublayer(x, lambda x: self_attn(x, x, x, mask))``, written without a closure. Packed
+        rows reach attention with their places in the batch (``PackedRows``)."""
+        out, weights = attention(packing.rows(self.input(x)), *args, **kwargs)
         return self.output(x, out), weights
 
     def input(self, x: Tensor) -> Tensor:

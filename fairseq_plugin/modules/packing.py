@@ -7,8 +7,9 @@ padding" of NVIDIA's FasterTransformer / Effective Transformer; fairseq's transf
 every padded position.
 
 The layers of modules/layers.py take the packing as an argument and run their usual ``forward``
-on the rows they are given; only ``MultiHeadedAttention`` looks at it, to unpack its projections
-before attending and pack its output after W^O (W^O runs on padding too: its input is then the
+on the rows they are given; only ``MultiHeadedAttention`` is given rows that know their places in
+the batch (``PackedRows``, as an RNN is given a PackedSequence), to unpack its projections before
+attending and pack its output after W^O (W^O runs on padding too: its input is then the
 attention kernel's output, which backward keeps anyway, instead of a packed copy kept besides).
 A ``Packing`` is either ``RealPositions`` or ``AllPositions`` (``NO_PACKING``, the default),
 which leaves a batch as it is.
@@ -16,7 +17,7 @@ The results at real positions are the same either way (tested); only the work on
 (docs/benchmarks.md). The model's ``--no-packing`` leaves every batch as it is.
 """
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -31,6 +32,29 @@ MIN_PADDING_SHARE = 0.02
 # on a GPU that read waits for everything queued before it; nonzero_static, told the number, need
 # not. Its devices: the CPU since torch 2.1, CUDA since 2.6.
 _NONZERO_STATIC_DEVICES = {"cpu", "cuda"} if TORCH_RELEASE >= (2, 6) else {"cpu"}
+
+
+def pack(x: Tensor, index: Tensor) -> Tensor:
+    """(B, L, ...) -> (N, ...): the rows at ``index`` (N,) of the flattened B * L positions."""
+    return x.reshape(-1, *x.shape[2:]).index_select(0, index)
+
+
+def unpack(x: Tensor, real: Tensor, index: Tensor) -> Tensor:
+    """(N, ...) -> (B, L, ...), zeros at padding; ``real`` (B, L) True at the N real positions,
+    ``index`` their places in B * L. (index_put keeps only the positions for its backward;
+    index_copy would keep all of x, a second copy of every unpacked projection. In place into the
+    zeros: the out-of-place index_put would copy them first.)"""
+    out = x.new_zeros(real.numel(), *x.shape[1:]).index_put_((index,), x)
+    return out.view(*real.shape, *x.shape[1:])
+
+
+class PackedRows(NamedTuple):
+    """An attention's query as the real rows of a (B, L) batch and their places in it: rows
+    (N, d_model), real (B, L) True at real tokens, index (N,) in B * L. Plain tensors: torch 2.1's
+    compiler loses track of an object's tensors carried inside a tuple."""
+    rows: Tensor
+    real: Tensor
+    index: Tensor
 
 
 class RealPositions:
@@ -49,14 +73,15 @@ class RealPositions:
 
     def pack(self, x: Tensor) -> Tensor:
         """(B, L, ...) -> (N, ...)"""
-        return x.reshape(-1, *x.shape[2:]).index_select(0, self.index)
+        return pack(x, self.index)
 
     def unpack(self, x: Tensor) -> Tensor:
-        """(N, ...) -> (B, L, ...), zeros at padding. (index_put keeps only the positions for its
-        backward; index_copy would keep all of x, a second copy of every unpacked projection. In
-        place into the zeros: the out-of-place index_put would copy them first.)"""
-        out = x.new_zeros(self.real.numel(), *x.shape[1:]).index_put_((self.index,), x)
-        return out.view(*self.real.shape, *x.shape[1:])
+        """(N, ...) -> (B, L, ...), zeros at padding."""
+        return unpack(x, self.real, self.index)
+
+    def rows(self, x: Tensor) -> PackedRows:
+        """The packed rows x (N, d_model) as an attention's query."""
+        return PackedRows(x, self.real, self.index)
 
 
 class AllPositions:
@@ -68,6 +93,10 @@ class AllPositions:
 
     @staticmethod
     def unpack(x: Tensor) -> Tensor:
+        return x
+
+    @staticmethod
+    def rows(x: Tensor) -> Tensor:
         return x
 
 
