@@ -91,10 +91,9 @@ demo-copy: install
 # both lanes: this Python with fairseq-fixed, then Python 3.10 with the official fairseq 0.12.2
 test: test-main test-fairseq-0.12.2
 
+# (with the GPU lane's tests on the CPU: their code, not the GPU's paths; make test-gpu runs those)
 test-main: install
-	$(call PYTEST,$(VENV)) $(TESTS)
-	@echo "the GPU lane's tests on the CPU (their code, not the GPU's paths):"
-	ANNOTATED_TEST_DEVICE=cpu $(PY) -m pytest -q -rs -m cuda -k "not two_ranks and not mixed_precision" tests
+	ANNOTATED_TEST_DEVICE=cpu $(call PYTEST,$(VENV)) $(TESTS)
 
 install310:
 	@test -n "$(PYTHON310)" || { echo "no python3.10 found (give it as PYTHON310=...)"; exit 1; }
