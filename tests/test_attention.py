@@ -125,9 +125,9 @@ def test_fully_padded_row_zeroed_also_where_the_fused_kernel_does_not(monkeypatc
     attn = MultiHeadedAttention(4, 32, self_attention=False).eval()
     x, memory = torch.randn(2, 3, 32), torch.randn(2, 4, 32)
     pad = torch.tensor([[False, False, True, True], [True] * 4])
-    attn.kernel = EXPLICIT
+    attn.force_kernel(EXPLICIT)
     expected, _ = attn(x, memory, mask=pad_mask(pad))
-    attn.kernel = FUSED
+    attn.force_kernel(FUSED)
     monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", other_sdpa)
     monkeypatch.setattr(attention_module, "fused_kernel_zeroes_empty_rows", lambda q: False)
     out, _ = attn(x, memory, mask=pad_mask(pad))
@@ -209,7 +209,7 @@ def test_fused_and_written_out_kernels_agree_with_masks(causal, padded, monkeypa
     mask = pad_mask(pad) if padded else None
     results = {}
     for kernel in (FUSED, EXPLICIT):
-        attn.kernel = kernel
+        attn.force_kernel(kernel)
         fused_calls.clear()
         results[kernel] = attn(x, mask=mask)[0]
         assert len(fused_calls) == (kernel == FUSED)  # each kernel ran, and only it

@@ -82,7 +82,7 @@ def test_fused_and_written_out_attention_agree_on_cuda(dtype, causal, backend):
     mask = ~pad[:, None, None, :]
     outs = {}
     for kernel in (FUSED, EXPLICIT):
-        attn.kernel = kernel
+        attn.force_kernel(kernel)
         with only_backend(backend):
             outs[kernel] = attn(x, mask=mask)[0].float()
     assert torch.isfinite(outs[FUSED]).all()

@@ -594,9 +594,7 @@ def test_fused_kernel_in_decoding_steps_equals_the_written_out_formula():
     sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
 
     def beam4(kernel):
-        for m in model.modules():
-            if isinstance(m, MultiHeadedAttention):
-                m.kernel = kernel
+        model.force_attention_kernel(kernel)
         gen = SequenceGenerator([model], d, beam_size=4, max_len_b=12)
         with torch.no_grad(), count_kernels() as kernels:
             return gen.generate([model], sample), kernels
@@ -730,7 +728,7 @@ def test_several_new_steps_after_cached_ones_see_each_other_causally(kernel, bea
     model = build_tiny_model(d)
     model.set_beam_size(beam)
     for m in model.decoder.attentions():
-        m.kernel = kernel
+        m.force_kernel(kernel)
     src, lengths = padded_sources(d, [5, 7], left_pad=True)
     rows = 2 * beam
     tgt = prefixes(d, rows, 6)  # the hypotheses of one sentence differ after eos

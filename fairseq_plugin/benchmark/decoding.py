@@ -101,18 +101,16 @@ def print_cache_table(checkpoint, data_bin, lengths, device, n_sentences=20, rep
     cache (the fused kernel, the model's choice), with the cache and attention written out, and
     recomputing the whole prefix at every step (the seeds' way; testing/recomputing.py), in
     alternated rounds (fewer once a round takes over 20 s), medians."""
-    from fairseq_plugin.modules.attention import EXPLICIT, MultiHeadedAttention
+    from fairseq_plugin.modules.attention import EXPLICIT
     from fairseq_plugin.testing.recomputing import without_cache
 
     model, task = decoding_model(checkpoint, data_bin, device, attention_weights=False)
     sample = random_sources(task.source_dictionary, n_sentences, device)
-    attention = [m for m in model.modules() if isinstance(m, MultiHeadedAttention)]
     decoders = [("cached", model, None), ("written out", model, EXPLICIT),
                 ("recomputed", without_cache(model), None)]
 
     def run(m, kernel, beam, length):
-        for module in attention:
-            module.kernel = kernel  # (the model's option to force a kernel)
+        model.force_attention_kernel(kernel)
         start = time.perf_counter()
         decode(m, forced_length_generator(m, task, beam, length), sample, device)
         return time.perf_counter() - start

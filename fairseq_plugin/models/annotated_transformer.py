@@ -391,6 +391,13 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
         decoder's caches keep each sentence's keys and values once (modules/cache.py)."""
         self.encoder.beam_size = beam_size
 
+    def force_attention_kernel(self, kernel: Optional[str]) -> None:
+        """Every attention of the model on one kernel, FUSED or EXPLICIT, or None: the model's
+        own choice (MultiHeadedAttention.force_kernel)."""
+        for m in self.modules():
+            if isinstance(m, MultiHeadedAttention):
+                m.force_kernel(kernel)
+
     def init_parameters_(self, embedding_init: str = "normal", linear_init: str = "fairseq"):
         """make_model's last step, the notebook's: Glorot / fan_avg uniform for every matrix.
         Attention modules initialise their own W^Q, W^K, W^V, W^O (each matrix on its own, also

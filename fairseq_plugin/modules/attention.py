@@ -209,12 +209,15 @@ class MultiHeadedAttention(nn.Module):
         # on the attention probabilities; the fused kernel takes its p and draws its own mask
         # (so not the CPU mask of dropout.py, which would apply to the written-out kernel alone)
         self.dropout = Dropout(dropout, type(self).__name__, cpu_mask=False)
-        # FUSED or EXPLICIT forces the kernel (tests); None: FUSED, EXPLICIT where weights are
-        # asked for (choose_kernel)
+        self.force_kernel(kernel)
+        self.reset_parameters()
+
+    def force_kernel(self, kernel: Optional[str]) -> None:
+        """FUSED or EXPLICIT: every call on that kernel (to compare the two on one module: tests,
+        the cache benchmark); None: FUSED, EXPLICIT where weights are asked for (choose_kernel)."""
         if kernel not in (None, FUSED, EXPLICIT):
             raise ValueError(f"kernel {kernel!r}: {FUSED!r}, {EXPLICIT!r} or None")
         self.kernel = kernel
-        self.reset_parameters()
 
     def reset_parameters(self, linear_init: str = "glorot") -> None:
         """glorot (the notebook's): Glorot / fan_avg uniform for each of W^Q, W^K, W^V, W^O on its
