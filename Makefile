@@ -28,9 +28,9 @@ PYTHON310 ?= $(shell for p in $(HOME)/.pyenv/versions/3.10*/bin/python3.10 pytho
 VENV310 ?= .venv310
 TORCH310 ?= torch==2.1.2 torchaudio==2.1.2 numpy<2
 LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= PIP="pip<24.1"
-# the suite on two pytest-xdist workers of one thread each (files whole, the two that use the
-# reverse task's trained model together: tests/conftest.py). They take the files in this order:
-# those two first (the reverse task's training starts at once), then the longest (the walkthrough
+# the suite on two pytest-xdist workers of one thread each (files whole, those that share a
+# trained model together: tests/conftest.py). They take the files in this order: the two that
+# use the reverse task's model first (its training starts at once), then the longest (the walkthrough
 # runs in the main lane only), then the rest, short ones to fill the end. On 2 cores both lanes'
 # tests took 24 minutes so, 41 in one process of 2 threads a run.
 TEST_WORKERS ?= 2

@@ -1,3 +1,6 @@
+import contextlib
+import gzip
+import io
 import os
 import shutil
 import signal
@@ -12,6 +15,7 @@ import torch
 import fairseq
 import fairseq_plugin
 from fairseq.data import Dictionary
+from fairseq_plugin.cli import prepare as prepare_translation
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.torch_release import TORCH_RELEASE
 from fairseq.models import MODEL_REGISTRY
@@ -25,27 +29,34 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 
 # `make test` runs the suite on two pytest-xdist workers. Each file goes whole to one worker, as
-# its module fixtures expect, and the files that use the reverse task's trained model (the
-# reverse_run session fixture) go together to one, which trains it once.
-REVERSE_RUN_FILES = ("test_cli.py", "test_export.py")
+# its module fixtures expect; the files that share a trained model (a session fixture below) go
+# together to one, which trains it once: {fixture: the files that use it}.
+SHARED_MODEL_FILES = {
+    "reverse_run": ("test_cli.py", "test_export.py"),  # the reverse task's model, 30 epochs
+    "trained": ("test_translation_pipeline.py", "test_deployment.py"),  # small Tatoeba model
+}
 
 
 @pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist's, called where it runs)
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    class FilesWithTheReverseRunTogether(LoadScopeScheduling):
+    scope_of = {name: fixture for fixture, files in SHARED_MODEL_FILES.items() for name in files}
+
+    class FilesSharingAModelTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid):
             path = nodeid.split("::")[0]
-            return "reverse_run" if os.path.basename(path) in REVERSE_RUN_FILES else path
+            return scope_of.get(os.path.basename(path), path)
 
-    return FilesWithTheReverseRunTogether(config, log)
+    return FilesSharingAModelTogether(config, log)
 
 
 def pytest_itemcollected(item):
-    if "reverse_run" in item.fixturenames and item.path.name not in REVERSE_RUN_FILES:
-        raise pytest.UsageError(f"{item.nodeid} uses reverse_run: add its file to conftest's "
-                                "REVERSE_RUN_FILES, which go to one pytest-xdist worker")
+    for fixture, files in SHARED_MODEL_FILES.items():
+        if fixture in item.fixturenames and item.path.name not in files:
+            raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add its file to conftest's "
+                                    f"SHARED_MODEL_FILES[{fixture!r}], which go to one "
+                                    "pytest-xdist worker")
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -251,6 +262,52 @@ def generated(reverse_run):
     path = reverse_run["dir"] / "generate.txt"
     path.write_text(out.stdout)
     return reverse_task.read_generate_output(str(path))
+
+
+
+# The small Tatoeba model of test_translation_pipeline.py and test_deployment.py (one worker's:
+# SHARED_MODEL_FILES): the bundled sample's first 3,000 pairs prepared, then trained 2 epochs.
+BUNDLED = os.path.join(REPO, "examples", "tatoeba", "data")
+
+
+def write_slice(raw, n_train=3000, n_eval=60, byte_order_mark=()):
+    """The first lines of the bundled sample; the files named in ``byte_order_mark`` (e.g.
+    "test.en") start with one, as editors on Windows write them."""
+    os.makedirs(raw, exist_ok=True)
+    for split, n in (("train", n_train), ("valid", n_eval), ("test", n_eval)):
+        for lang in ("de", "en"):
+            with gzip.open(os.path.join(BUNDLED, f"{split}.{lang}.gz"), "rt", encoding="utf-8") as f:
+                lines = [next(f) for _ in range(n)]
+            name = f"{split}.{lang}"
+            with open(os.path.join(raw, name), "w",
+                      encoding="utf-8-sig" if name in byte_order_mark else "utf-8") as f:
+                f.writelines(lines)
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    w = tmp_path_factory.mktemp("tatoeba")
+    write_slice(w / "raw", byte_order_mark=("train.de", "test.en"))
+    shown = io.StringIO()  # not a terminal: progress comes as lines
+    with contextlib.redirect_stderr(shown):
+        settings = prepare_translation.prepare(str(w / "raw"), str(w / "bin"), "de", "en",
+                                               {"train": "train", "valid": "valid",
+                                                "test": "test"}, bpe_merges=500)
+    (w / "prepare.stderr").write_text(shown.getvalue())
+    return w, settings
+
+
+@pytest.fixture(scope="session")
+def trained(prepared):
+    """annotated_transformer_tiny, 2 epochs with epoch checkpoints."""
+    w, _ = prepared
+    ckpt = w / "checkpoints"
+    cli("fairseq-train", w / "bin", "--user-dir", PLUGIN_DIR, "--arch", "annotated_transformer_tiny",
+        "--share-all-embeddings", "--criterion", "annotated_label_smoothing",
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr-scheduler", "noam",
+        "--warmup-updates", "50", "--max-tokens", "2048", "--max-epoch", "2", "--seed", "1",
+        "--save-dir", ckpt, "--cpu")
+    return w, ckpt
 
 
 def running_with(text):

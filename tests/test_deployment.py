@@ -9,7 +9,6 @@ import sacrebleu
 from conftest import cli
 from fairseq_plugin.cli import deployment
 from fairseq_plugin.cli import evaluate as evaluate_bleu
-from test_translation_pipeline import prepared, trained  # noqa: F401 (fixtures)
 
 pytest.importorskip("ctranslate2")
 
@@ -22,7 +21,7 @@ def table_rows(out):
 
 
 def test_each_engine_translates_the_test_set_and_fairseqs_translations_are_fairseq_generates(
-        trained, tmp_path):  # noqa: F811
+        trained, tmp_path):
     w, ckpt = trained
     out = cli("annotated-benchmark-deployment", w / "bin", ckpt / "checkpoint_last.pt",
               "--rounds", "1", "--threads", "1", "--batch-size", "16", "--work-dir",
@@ -40,7 +39,7 @@ def test_each_engine_translates_the_test_set_and_fairseqs_translations_are_fairs
 
 @pytest.mark.main_lane  # the command's own arithmetic, whatever fairseq's version
 def test_the_runs_alternate_and_each_cell_is_the_median_of_its_rounds_and_each_score_its_own(
-        trained, tmp_path, monkeypatch, capsys):  # noqa: F811
+        trained, tmp_path, monkeypatch, capsys):
     """The child processes replaced by a stand-in: each engine's hypotheses its own (the
     reference of sentence i, with i words dropped for CTranslate2 int8), each run's time its
     place in the sequence of runs."""

@@ -31,7 +31,7 @@ NEEDED = {
     "patience_saved_with_checkpoints":
         "test_preemption.py::test_patience_counter_is_saved_and_restored",
     "save_and_exit_on_signal":
-        "test_preemption.py::test_a_signal_at_a_random_moment_saves_and_the_same_command_resumes_there",
+        "test_preemption.py::test_sigterm_at_a_random_moment_saves_and_the_same_command_resumes_there",
     "launchers_environment_on_cpu":
         "test_distributed.py::test_without_the_change_fairseq_trains_each_torchrun_rank_alone_on_cpus",
     "one_line_errors":

@@ -40,14 +40,17 @@ def test_ci_runs_make_test_with_ci_set():
     assert "export CI=true" in lines and lines[-1] == "make test"
 
 
-def test_the_two_workers_get_each_file_whole_and_the_reverse_run_files_together():
+def test_the_two_workers_get_each_file_whole_and_the_files_sharing_a_model_together():
     """make test's pytest-xdist workers take scopes (tests/conftest.py's scheduler): one per
-    file, and one for the files that use the reverse task's trained model, trained once."""
+    file, and one for the files that use each shared trained model, trained once."""
     import conftest
 
     two_workers = SimpleNamespace(getvalue={"tx": ["2*popen"]}.get)  # -n 2's config, as read
     scope = conftest.pytest_xdist_make_scheduler(two_workers, None)._split_scope
     assert scope("tests/test_cli.py::test_a") == scope("tests/test_export.py::test_b[post-LN]")
+    assert scope("tests/test_translation_pipeline.py::test_a") == scope(
+        "tests/test_deployment.py::test_b")
+    assert scope("tests/test_cli.py::test_a") != scope("tests/test_deployment.py::test_b")
     assert scope("tests/test_model.py::test_a") == scope("tests/test_model.py::test_b[1-2]")
     assert len({scope(f"tests/{name}::test_a") for name in
                 ("test_model.py", "test_attention.py", "test_cli.py")}) == 3

@@ -1,9 +1,7 @@
 """Real text: preparation (sacremoses + subword-nmt + fairseq-preprocess), training, detokenised
 sacreBLEU, checkpoint averaging — on a small slice of the bundled Tatoeba sample."""
 
-import contextlib
 import gzip
-import io
 import json
 import math
 import inspect
@@ -16,45 +14,15 @@ import sys
 import pytest
 import torch
 
-from conftest import PLUGIN_DIR, REPO, assert_one_line_error, cli
+from conftest import BUNDLED, REPO, assert_one_line_error, cli, write_slice
 from fairseq_plugin.cli import average_checkpoints, heatmaps
 from fairseq_plugin.cli import evaluate as evaluate_bleu
 from fairseq_plugin.cli import prepare as prepare_translation
 from fairseq_plugin.errors import PluginError
 
-BUNDLED = os.path.join(REPO, "examples", "tatoeba", "data")
-
-
-def write_slice(raw, n_train=3000, n_eval=60, byte_order_mark=()):
-    """The first lines of the bundled sample; the files named in ``byte_order_mark`` (e.g.
-    "test.en") start with one, as editors on Windows write them."""
-    os.makedirs(raw, exist_ok=True)
-    for split, n in (("train", n_train), ("valid", n_eval), ("test", n_eval)):
-        for lang in ("de", "en"):
-            with gzip.open(os.path.join(BUNDLED, f"{split}.{lang}.gz"), "rt", encoding="utf-8") as f:
-                lines = [next(f) for _ in range(n)]
-            name = f"{split}.{lang}"
-            with open(os.path.join(raw, name), "w",
-                      encoding="utf-8-sig" if name in byte_order_mark else "utf-8") as f:
-                f.writelines(lines)
-
-
 def read_lines(path):
     with open(path, encoding="utf-8") as f:
         return f.read().splitlines()
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    w = tmp_path_factory.mktemp("tatoeba")
-    write_slice(w / "raw", byte_order_mark=("train.de", "test.en"))
-    shown = io.StringIO()  # not a terminal: progress comes as lines
-    with contextlib.redirect_stderr(shown):
-        settings = prepare_translation.prepare(str(w / "raw"), str(w / "bin"), "de", "en",
-                                               {"train": "train", "valid": "valid",
-                                                "test": "test"}, bpe_merges=500)
-    (w / "prepare.stderr").write_text(shown.getvalue())
-    return w, settings
 
 
 def test_prepare_shows_each_step_of_its_work_in_a_log(prepared):
@@ -298,19 +266,6 @@ def test_prepare_refuses_a_file_as_destination_a_destination_holding_the_raw_tex
         prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "new"), "de", "en",
                                     splits)
     assert not (tmp_path / "new").exists()
-
-
-@pytest.fixture(scope="module")
-def trained(prepared):
-    """annotated_transformer_tiny, 2 epochs with epoch checkpoints."""
-    w, _ = prepared
-    ckpt = w / "checkpoints"
-    cli("fairseq-train", w / "bin", "--user-dir", PLUGIN_DIR, "--arch", "annotated_transformer_tiny",
-        "--share-all-embeddings", "--criterion", "annotated_label_smoothing",
-        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr-scheduler", "noam",
-        "--warmup-updates", "50", "--max-tokens", "2048", "--max-epoch", "2", "--seed", "1",
-        "--save-dir", ckpt, "--cpu")
-    return w, ckpt
 
 
 def test_short_run_generates_and_scores_with_sacrebleu(trained):
