@@ -52,6 +52,7 @@ from fairseq_plugin import reference  # noqa: E402
 from fairseq_plugin.reference_weights import load_plain_weights, plain_attention, plain_model  # noqa: E402,E501
 
 FULL = os.environ.get("WALKTHROUGH_FULL") == "1"
+SMOKE_TEST = os.environ.get("WALKTHROUGH_SMOKE_TEST") == "1"  # the test's: 60 Tatoeba updates
 
 
 def find_repository(start):
@@ -635,6 +636,7 @@ log = run("fairseq-train", f"{tatoeba}/bin", "--user-dir", os.path.dirname(fairs
           "--label-smoothing", "0.1", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
           "--adam-eps", "1e-9", "--lr-scheduler", "noam", "--warmup-updates", 300 if FULL else 150,
           "--max-tokens", "4096", "--max-epoch", 5 if FULL else 1, "--seed", "1",
+          *(["--max-update", "60"] if SMOKE_TEST else []),
           "--save-dir", f"{tatoeba}/checkpoints", "--no-epoch-checkpoints", "--cpu",
           "--log-format", "simple", "--log-interval", "10")
 print("\n".join(line[line.index("epoch"):] for line in log.splitlines() if "valid on" in line))
