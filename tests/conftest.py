@@ -264,7 +264,6 @@ def generated(reverse_run):
     return reverse_task.read_generate_output(str(path))
 
 
-
 # The small Tatoeba model of test_translation_pipeline.py and test_deployment.py (one worker's:
 # SHARED_MODEL_FILES): the bundled sample's first 3,000 pairs prepared, then trained 2 epochs.
 BUNDLED = os.path.join(REPO, "examples", "tatoeba", "data")
