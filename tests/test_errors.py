@@ -179,28 +179,35 @@ def test_no_command_writes_its_output_inside_the_data_bin_it_reads(target, tmp_p
     """annotated-evaluate-bleu --output, annotated-export-fairseq --output (and --ctranslate2)
     with --data, annotated-attention-heatmaps --out-dir: a path inside the data-bin the command
     reads (an existing file of it or a new one, through a link too) is refused in one line,
-    --force or not, and every file of the data-bin stays as it was."""
+    --force or not, and every file of the data-bin stays as it was. (Each command's main runs in
+    this process: its console script only calls it, and a script's refusal as a process is
+    test_translation_pipeline's and test_export's.)"""
+    from fairseq_plugin import export
+    from fairseq_plugin.cli import evaluate, heatmaps
+
     db, files = data_bin_with_raw_text(tmp_path)
     path = (str(tmp_path / "link-to-data-bin" / target[5:]) if target.startswith("LINK/")
             else str(db / target))
     checkpoint = str(tmp_path / "checkpoint.pt")
     given = path if target != "." else str(db)
     runs = {
-        "annotated-evaluate-bleu": ([str(db), checkpoint, "--output", given], "--output"),
-        "annotated-export-fairseq": ([checkpoint, "--output", given, "--data", str(db),
-                                      "--force"], "--output"),
-        "annotated-attention-heatmaps": ([str(db), checkpoint, "Ein Hund.", "--out-dir", given],
-                                         "--out-dir"),
+        "annotated-evaluate-bleu": (evaluate.main, [str(db), checkpoint, "--output", given],
+                                    "--output"),
+        "annotated-export-fairseq": (export.main, [checkpoint, "--output", given, "--data",
+                                                   str(db), "--force"], "--output"),
+        "annotated-attention-heatmaps": (heatmaps.main, [str(db), checkpoint, "Ein Hund.",
+                                                         "--out-dir", given], "--out-dir"),
     }
     if target == "new.txt":
         runs["annotated-export-fairseq --ctranslate2"] = (
-            [checkpoint, "--output", str(tmp_path / "t.pt"), "--data", str(db), "--ctranslate2",
-             given, "--force"], "--ctranslate2")
-    for command, (args, option) in runs.items():
-        proc = cli(command.split()[0], *args, check=False)
-        assert_one_line_error(proc, f"{command.split()[0]}: error: {option} {given} is inside "
-                                    f"{db}, which this command reads; give a path outside it "
-                                    "(its files are kept)")
+            export.main, [checkpoint, "--output", str(tmp_path / "t.pt"), "--data", str(db),
+                          "--ctranslate2", given, "--force"], "--ctranslate2")
+    for command, (main, args, option) in runs.items():
+        with pytest.raises(SystemExit) as refused:
+            main(args)
+        assert str(refused.value.code) == (
+            f"{command.split()[0]}: error: {option} {given} is inside {db}, which this command "
+            "reads; give a path outside it (its files are kept)")
         assert {path: path.read_text() for path in files} == {
             path: text for path, text in zip(files, ("a 1\n", "a b\n", "x\n"))}
         assert sorted(os.listdir(db)) == ["bpe.codes", "dict.en.txt", "raw"]
