@@ -50,7 +50,16 @@ def test_a_plugin_error_is_one_line_and_the_traceback_is_there_on_request():
 @pytest.mark.parametrize("command", ["annotated-prepare", "annotated-average-checkpoints",
                                      "annotated-export-fairseq", "annotated-evaluate-bleu",
                                      "annotated-attention-heatmaps"])
-def test_the_plugins_own_commands_show_the_traceback_on_request(command, tmp_path):
+def test_the_plugins_own_commands_show_the_traceback_on_request(command, tmp_path, monkeypatch):
+    """Each console script's main (run here: a process turns what it raises into the printed
+    traceback, test_a_plugin_error_is_one_line_and_the_traceback_is_there_on_request) exits
+    with one line, and with FAIRSEQ_PLUGIN_TRACEBACK=1 raises the error itself."""
+    from importlib.metadata import entry_points
+
+    from fairseq_plugin.cli.streaming import PrepareError
+
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == command]
+    main = script.load()
     args = {"annotated-prepare": ["-s", "de", "-t", "en", "--raw-dir", tmp_path, "--dest",
                                   tmp_path / "bin"],
             "annotated-average-checkpoints": ["--inputs", tmp_path / "a.pt", "--output",
@@ -58,14 +67,15 @@ def test_the_plugins_own_commands_show_the_traceback_on_request(command, tmp_pat
             "annotated-export-fairseq": [tmp_path / "a.pt", "--output", tmp_path / "out.pt"],
             "annotated-evaluate-bleu": [tmp_path, tmp_path / "a.pt"],
             "annotated-attention-heatmaps": [tmp_path, tmp_path / "a.pt", "Hallo"]}[command]
-    proc = cli(command, *args, check=False)
-    assert_one_line_error(proc, f"{command}: error: ")
-    proc = cli(command, *args, check=False, env={**os.environ, TRACEBACK_VARIABLE: "1"})
-    assert proc.returncode == 1
-    assert "Traceback (most recent call last)" in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "fairseq_plugin.errors.PluginError: " if command != "annotated-prepare" else
-        "fairseq_plugin.cli.streaming.PrepareError: ")
+    args = [str(a) for a in args]
+    monkeypatch.delenv(TRACEBACK_VARIABLE, raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    line = str(stopped.value.code)
+    assert line.startswith(f"{command}: error: ") and "\n" not in line, line
+    monkeypatch.setenv(TRACEBACK_VARIABLE, "1")
+    with pytest.raises(PrepareError if command == "annotated-prepare" else PluginError):
+        main(args)
 
 
 def test_a_program_of_the_users_keeps_the_traceback_of_a_missing_file():

@@ -576,12 +576,16 @@ def test_attention_heatmaps_are_pngs_of_rows_summing_to_one(prepared, trained, t
     ("checkpoint_bst.pt", "Tom öffnete das Bier.", [], "no checkpoint {ckpt}/checkpoint_bst.pt")])
 def test_heatmaps_refuse_a_missing_checkpoint_an_empty_sentence_and_absent_layers_or_heads(
         prepared, trained, tmp_path, checkpoint, sentence, extra, message):
+    """(the command's main, in this process: test_errors shows that its console script exits
+    with the line it exits with)"""
     w, _ = prepared
     _, ckpt = trained
-    proc = cli("annotated-attention-heatmaps", w / "bin", ckpt / checkpoint, sentence,
-               "--out-dir", tmp_path / "maps", *extra, check=False)
-    assert_one_line_error(proc, "annotated-attention-heatmaps: error: "
-                                + message.format(ckpt=ckpt))
+    with pytest.raises(SystemExit) as refused:
+        heatmaps.main([str(w / "bin"), str(ckpt / checkpoint), sentence,
+                       "--out-dir", str(tmp_path / "maps"), *extra])
+    line = str(refused.value.code)
+    assert line.startswith("annotated-attention-heatmaps: error: " + message.format(ckpt=ckpt))
+    assert "\n" not in line
     assert not (tmp_path / "maps").exists()
 
 
