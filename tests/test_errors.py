@@ -12,7 +12,7 @@ from fairseq import checkpoint_utils
 
 from fairseq_plugin.errors import TRACEBACK_VARIABLE, PluginError, one_line_error, spelling_hint
 from fairseq_plugin.torch_release import TORCH_RELEASE, release
-from conftest import assert_one_line_error, build_tiny_model, cli, make_dictionary
+from conftest import build_tiny_model, make_dictionary
 
 RAISE = ("import fairseq_plugin\n"
          "def load():\n"
