@@ -24,7 +24,7 @@ SIZES = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim"
          "--decoder-embed-dim", "64", "--encoder-ffn-embed-dim", "256",
          "--decoder-ffn-embed-dim", "256", "--encoder-attention-heads", "4",
          "--decoder-attention-heads", "4"]
-WARMUP = 5  # updates; an epoch of the 800 pairs below is about 9, so the resume falls after it
+WARMUP = 5  # updates; an epoch of the 800 pairs below is 8, so the resume falls after it
 SCHEDULES = {
     "inverse_sqrt": ["--lr-scheduler", "inverse_sqrt", "--lr", "1e-3",
                      "--warmup-updates", str(WARMUP)],
