@@ -11,6 +11,8 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP ?= pip
+# the package's extras installed with it: the tests', and the page's (make page, its browser test)
+EXTRAS ?= test,page
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # the demos' outputs (make demo WORK=dir); not taken from the environment, where HPC sites set
@@ -27,7 +29,8 @@ PYTHON310 ?= $(shell for p in $(HOME)/.pyenv/versions/3.10*/bin/python3.10 pytho
                        "$$p" -c "" 2>/dev/null && { command -v "$$p"; break; }; done)
 VENV310 ?= .venv310
 TORCH310 ?= torch==2.1.2 torchaudio==2.1.2 numpy<2
-LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= PIP="pip<24.1"
+LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= PIP="pip<24.1" \
+          EXTRAS=test
 # the suite on two pytest-xdist workers of one thread each (files whole, those that share a
 # trained model together: tests/conftest.py). They take the files in this order: the two that
 # use the reverse task's model first (its training starts at once), then the longest (the walkthrough
@@ -42,7 +45,7 @@ TESTS_FIRST = tests/test_cli.py tests/test_export.py $(TESTS_WALKTHROUGH) tests/
               tests/test_hydra.py
 TESTS = $(TESTS_FIRST) $(filter-out $(TESTS_FIRST),$(sort $(wildcard tests/test_*.py)))
 
-.PHONY: demo demo-reverse demo-copy walkthrough walkthrough-run test test-main test-fairseq-0.12.2 test-gpu install install310 clean clean-work FORCE
+.PHONY: demo demo-reverse demo-copy walkthrough walkthrough-run page test test-main test-fairseq-0.12.2 test-gpu install install310 clean clean-work FORCE
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -58,7 +61,7 @@ $(VENV)/.torch: $(PY) FORCE
 	  echo "$(TORCH) $(TORCH_INDEX)" > $@; fi
 
 $(VENV)/.deps: setup.py $(VENV)/.torch
-	$(PY) -m pip install ".[test]"
+	$(PY) -m pip install ".[$(EXTRAS)]"
 	touch $@
 
 # (re)install the package itself whenever its code changes, so --user-dir fairseq_plugin works
@@ -83,6 +86,11 @@ walkthrough: install
 # (nbclient's jupyter-execute, of the test extra: jupytext --execute needs nbconvert as well)
 walkthrough-run: install
 	cd examples/walkthrough && $(abspath $(VENV))/bin/jupyter-execute walkthrough.ipynb
+
+# the walkthrough as a web page, executed from the current code, every output in place, with the
+# README and docs/ beside it: site/walkthrough.html (WALKTHROUGH_FULL=1: from the full run)
+page: install
+	$(PY) scripts/build_page.py --site-dir site
 
 # the notebook's first example: copying random symbols, decoded greedily
 demo-copy: install
@@ -117,7 +125,7 @@ test-gpu: install
 
 # the environments and build outputs; trained models and prepared data stay (make clean-work)
 clean:
-	rm -rf $(VENV) $(VENV310) build *.egg-info
+	rm -rf $(VENV) $(VENV310) build site *.egg-info
 
 # WORK: the demos' and examples/multi30k's data, checkpoints and logs
 clean-work:

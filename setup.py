@@ -34,8 +34,13 @@ setup(
                     "viz": ["matplotlib"],
                     "export": ["ctranslate2"],
                     # examples/walkthrough in Jupyter (make walkthrough)
-                    "walkthrough": ["matplotlib", "jupytext", "nbclient", "ipykernel",
-                                    "jupyterlab"]},
+                    "walkthrough": ["matplotlib", "altair>=5", "jupytext", "nbclient",
+                                    "ipykernel", "jupyterlab"],
+                    # the walkthrough as a web page (make page: scripts/build_page.py; mkdocs 2
+                    # is another program), and its browser test (Playwright drives Chromium)
+                    "page": ["matplotlib", "altair>=5", "jupytext", "nbclient", "ipykernel",
+                             "vl-convert-python>=1.1", "mkdocs>=1.6,<2", "mkdocs-material>=9.5",
+                             "mkdocs-jupyter>=0.25", "playwright>=1.40"]},
     entry_points={
         "console_scripts": [
             "annotated-prepare=fairseq_plugin.cli.prepare:main",

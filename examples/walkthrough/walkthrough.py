@@ -22,10 +22,13 @@
 #
 # At each concept it shows the plain class and the plugin's class, and checks that they give
 # the same numbers on the same input. The figures are written as PNG files next to this file
-# (`figures/`). It runs top to bottom in a few minutes on 2 CPU cores; set
-# `WALKTHROUGH_FULL=1` for longer training and better translations.
+# (`figures/`); the charts a reader explores (positional encodings, the Noam schedule, pre-LN
+# against post-LN, the trained model's attention) are Altair charts: hover for the numbers. It
+# runs top to bottom in a few minutes on 2 CPU cores; set `WALKTHROUGH_FULL=1` for longer
+# training and better translations.
 #
-# Open it with `make walkthrough`, or run it with `jupytext --execute`.
+# Open it with `make walkthrough`, run it with `jupytext --execute`, or read it as a web page with
+# every output in place: `make page`.
 
 # %%
 import inspect
@@ -47,6 +50,7 @@ import torch  # noqa: E402
 from fairseq.data import Dictionary  # noqa: E402
 from fairseq.models import MODEL_REGISTRY  # noqa: E402
 
+import charts  # noqa: E402  (this folder's charts.py: Altair charts)
 import fairseq_plugin  # noqa: E402  (registers the model, criterion and schedule)
 from fairseq_plugin import reference  # noqa: E402
 from fairseq_plugin.reference_weights import load_plain_weights, plain_attention, plain_model  # noqa: E402,E501
@@ -91,9 +95,10 @@ def agree(name, a, b, tolerance=1e-5):
     assert diff < tolerance, name
 
 
-def save(fig, name):
+def save(fig, name, shown=True):
     """Write a figure, after checking that it draws something: every line and image holds
-    data, all of it finite (a NaN draws nothing, and a blank figure would pass unseen)."""
+    data, all of it finite (a NaN draws nothing, and a blank figure would pass unseen).
+    ``shown=False``: written for the docs only, where an interactive chart shows the same."""
     for ax in fig.axes:
         for artist in [*ax.get_lines(), *ax.get_images()]:
             data = artist.get_ydata() if hasattr(artist, "get_ydata") else artist.get_array()
@@ -102,6 +107,10 @@ def save(fig, name):
     path = os.path.join(FIGURES, name)
     fig.savefig(path, dpi=80, bbox_inches="tight")
     print("wrote", os.path.relpath(path, HERE))
+    if shown:
+        plt.show()  # here, before what the cell shows next
+    else:
+        plt.close(fig)
 
 
 def run(*command):
@@ -237,7 +246,11 @@ for dim in (4, 5, 6, 7):
     ax.plot(pe[:, dim], label=f"dimension {dim}")
 ax.set_xlabel("position")
 ax.legend()
-save(fig, "positional_encoding.png")
+save(fig, "positional_encoding.png", shown=False)
+charts.show(charts.curves(
+    [{"position": p, "value": pe[p, dim].item(), "dimension": f"dimension {dim}"}
+     for dim in (4, 5, 6, 7) for p in range(100)], "position", "value", "dimension",
+    "positional encoding (d_model 20)", "position", "value"))
 
 # %% [markdown]
 # ## The full model
@@ -354,13 +367,19 @@ for s in steps:
 agree("Noam, plain rate vs the plugin's learning rates",
       torch.tensor([reference.rate(s, 512, 1, 4000) for s in steps], dtype=torch.float64),
       torch.tensor(set_rates, dtype=torch.float64))
+NOAM_SETTINGS = ((512, 1, 4000), (512, 1, 8000), (256, 1, 4000))
 fig, ax = plt.subplots(figsize=(6, 3))
-for d_model, factor, warmup in ((512, 1, 4000), (512, 1, 8000), (256, 1, 4000)):
+for d_model, factor, warmup in NOAM_SETTINGS:
     ax.plot([reference.rate(s, d_model, factor, warmup) for s in range(1, 20000, 50)],
             label=f"d_model {d_model}, warmup {warmup}")
 ax.set_xlabel("step (x50)")
 ax.legend()
-save(fig, "noam.png")
+save(fig, "noam.png", shown=False)
+charts.show(charts.curves(
+    [{"step": s, "rate": reference.rate(s, d_model, factor, warmup),
+      "setting": f"d_model {d_model}, warmup {warmup}"}
+     for d_model, factor, warmup in NOAM_SETTINGS for s in range(1, 20000, 100)],
+    "step", "rate", "setting", "the Noam schedule", "step", "learning rate"))
 
 # %% [markdown]
 # ## A first example, the notebook's way
@@ -456,13 +475,20 @@ print("first symbols:", [copy_dict[i] for i in range(8)])
 # | `--log-interval 10` | the notebook's progress print every few steps |
 
 # %%
-log = run("fairseq-train", f"{copy}/bin", "--user-dir", os.path.dirname(fairseq_plugin.__file__),
-          "--arch", "annotated_transformer_tiny", "--share-all-embeddings",
-          "--criterion", "annotated_label_smoothing", "--label-smoothing", "0.1",
-          "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-9",
-          "--lr-scheduler", "noam", "--warmup-updates", "200", "--max-tokens", "4096",
-          "--max-epoch", "10", "--seed", "1", "--save-dir", f"{copy}/checkpoints",
-          "--no-epoch-checkpoints", "--cpu", "--log-format", "simple", "--log-interval", "10")
+def train_copy(save_dir, *more_flags):
+    """fairseq-train on the copy task with the flags above; its log."""
+    return run("fairseq-train", f"{copy}/bin", "--user-dir",
+               os.path.dirname(fairseq_plugin.__file__),
+               "--arch", "annotated_transformer_tiny", "--share-all-embeddings",
+               "--criterion", "annotated_label_smoothing", "--label-smoothing", "0.1",
+               "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-9",
+               "--lr-scheduler", "noam", "--warmup-updates", "200", "--max-tokens", "4096",
+               "--max-epoch", "10", "--seed", "1", "--save-dir", save_dir,
+               "--no-epoch-checkpoints", "--cpu", "--log-format", "simple", "--log-interval", "10",
+               *more_flags)
+
+
+log = train_copy(f"{copy}/checkpoints")
 print("\n".join(line[line.index("epoch"):] for line in log.splitlines()
                 if "valid on" in line or "num_updates=10," in line))
 
@@ -566,6 +592,33 @@ print(f"reference.greedy_decode wrote what fairseq-generate --beam 1 wrote for {
 assert same == len(ids)
 
 # %% [markdown]
+# ## Pre-LN or post-LN?
+#
+# The paper puts layer normalisation after each residual sum, LayerNorm(x + Sublayer(x))
+# (post-LN); the notebook's `SublayerConnection` puts it first, x + Sublayer(LayerNorm(x)), and
+# ends each stack with one more LayerNorm (pre-LN). Readers of the notebook ask which is right
+# (harvardnlp/annotated-transformer issues 1, 13 and 92): both are Transformers. In pre-LN every
+# layer adds to an untouched residual stream, so the gradient reaches the lowest layer whole and
+# training is stable with little warm-up (Xiong et al., 2020, *On Layer Normalization in the
+# Transformer Architecture*); post-LN normalises the stream itself after every sub-layer and
+# leans on the learning-rate warm-up to start. This package is pre-LN, as the notebook;
+# `--post-norm` gives the paper's. The same copy task, trained both ways with every other flag
+# and the seed equal:
+
+# %%
+post_log = train_copy(f"{copy}/post-ln", "--post-norm")
+for name, text in (("pre-LN (the notebook)", log), ("post-LN (the paper, --post-norm)", post_log)):
+    last = nll_curve(text, valid=True)[1][-1]
+    print(f"{name}: validation NLL after 10 epochs {last:.3f} nats per token")
+charts.show(charts.curves(
+    [{"update": u, "NLL": loss, "run": f"{name}, {part}"}
+     for name, text in (("pre-LN", log), ("post-LN", post_log))
+     for part, valid in (("training", False), ("validation", True))
+     for u, loss in zip(*nll_curve(text, valid=valid))],
+    "update", "NLL", "run", "the copy task, pre-LN and post-LN", "update",
+    "NLL per token (nats)", log_y=True))
+
+# %% [markdown]
 # ## A real example: German to English
 #
 # The bundled Tatoeba sample (60,000 sentence pairs, CC BY 2.0): `annotated-prepare` tokenises
@@ -649,9 +702,42 @@ ax.set_title("Tatoeba de-en, 3+3 layers, d_model 128")
 ax.legend()
 save(fig, "tatoeba_loss.png")
 
+# %% [markdown]
+# ## Greedy decoding or beam search?
+#
+# The notebook decodes greedily: at each step the single most probable token. Beam search
+# (harvardnlp/annotated-transformer issue 8) keeps the k most probable prefixes instead, and
+# ends with the best finished one; fairseq's `SequenceGenerator` does it over the decoder's
+# incremental cache. `annotated-evaluate-bleu` decodes the 1,000 test sentences with each and
+# scores them: BLEU and chrF from sacreBLEU, on detokenised text against the raw references
+# (the notebook's readers ask how, issues 51 and 108). Each score comes with its *signature*,
+# sacreBLEU's record of how it was computed (tokenisation `13a`, case, smoothing, version):
+# scores are comparable only where the signatures match. (fairseq-generate's own `BLEU4` line
+# scores the tokenised sub-words, and reads higher.)
+
 # %%
-print(run("annotated-evaluate-bleu", f"{tatoeba}/bin", f"{tatoeba}/checkpoints/checkpoint_best.pt",
-          "--beam", "5", "--examples", "3"))
+checkpoint = f"{tatoeba}/checkpoints/checkpoint_best.pt"
+for beam in (1, 5):
+    print(f"--- {'greedy (beam 1)' if beam == 1 else f'beam {beam}'}")
+    print(run("annotated-evaluate-bleu", f"{tatoeba}/bin", checkpoint, "--beam", beam,
+              "--examples", 3 if beam == 5 else 0))
+
+# %% [markdown]
+# What the incremental cache saves: at step t the decoder needs the keys and values of the t
+# tokens before; the notebook's `greedy_decode` runs the decoder over the whole prefix again at
+# every step, while the plugin's attention keeps them in fairseq's `incremental_state`
+# (`modules/cache.py`) and computes only the new token's. Measured on this model: seconds to
+# decode 20 sentences to a fixed length, cached (the fused attention kernel), cached with the
+# attention written out as the notebook writes it, and recomputing the prefix every step (the
+# notebook's way, `testing/recomputing.py`); medians of alternated rounds. The cache's gain
+# grows with the length: each step costs the same with it, and more with every token without.
+
+# %%
+from fairseq_plugin.benchmark.child import Device  # noqa: E402
+from fairseq_plugin.benchmark.decoding import print_cache_table  # noqa: E402
+
+print_cache_table(checkpoint, f"{tatoeba}/bin", lengths=(10, 30), device=Device("cpu"),
+                  n_sentences=20, repeats=3)
 
 # %% [markdown]
 # ## Attention visualisation
@@ -696,6 +782,14 @@ fig = draw_layers_and_heads("encoder_self", src_labels, src_labels, "encoder sel
 save(fig, "encoder_self.png")
 
 # %% [markdown]
+# One head at a time: pick the layer and the head, hover a cell for its tokens and weight.
+
+# %%
+charts.show(charts.attention(maps["encoder_self"], src_labels, src_labels,
+                             "encoder self-attention", "query (source token)",
+                             "key (source token)"))
+
+# %% [markdown]
 # ### Decoder self-attention
 #
 # Each row is the decoder predicting a target token (rows are labelled with it) from the
@@ -704,6 +798,9 @@ save(fig, "encoder_self.png")
 # %%
 fig = draw_layers_and_heads("decoder_self", out_labels, fed_labels, "decoder self-attention")
 save(fig, "decoder_self.png")
+charts.show(charts.attention(maps["decoder_self"], out_labels, fed_labels,
+                             "decoder self-attention", "target token (predicted)",
+                             "target token (fed in)"))
 
 # %% [markdown]
 # ### Decoder source attention
@@ -714,3 +811,27 @@ save(fig, "decoder_self.png")
 # %%
 fig = draw_layers_and_heads("decoder_source", out_labels, src_labels, "decoder-source attention")
 save(fig, "decoder_source.png")
+charts.show(charts.attention(maps["decoder_source"], out_labels, src_labels,
+                             "decoder-source attention", "target token", "source token"))
+
+# %% [markdown]
+# ## The versions it runs on
+#
+# The notebook's code stopped running as its libraries moved on (harvardnlp/annotated-transformer
+# issues 136, 133 and 46), and its Multi30k download is gone (issue 96). This walkthrough needs
+# neither torchtext nor spaCy nor a download: fairseq's data pipeline, the Tatoeba sample bundled
+# with this package, and the versions below. The test suite runs it top to bottom on each
+# change; the package's own tests run on Python 3.10 with the official fairseq 0.12.2 as well
+# (docs/install.md).
+
+# %%
+import importlib.metadata  # noqa: E402
+import platform  # noqa: E402
+
+print("Python", platform.python_version())
+for package in ("torch", "fairseq-fixed", "fairseq", "sacrebleu", "sacremoses", "subword-nmt",
+                "altair"):
+    try:
+        print(package, importlib.metadata.version(package))
+    except importlib.metadata.PackageNotFoundError:
+        pass
