@@ -115,14 +115,14 @@ def stamp(notebook, seconds, full, smoke_test=False):
     """Put a cell under the title saying what built the page: versions, machine, minutes."""
     import nbformat
 
-    run = ("the full run (WALKTHROUGH_FULL=1)" if full else
+    run = ("its full run (WALKTHROUGH_FULL=1)" if full else
            "the test suite's short run (its Tatoeba model trains 60 updates)" if smoke_test else
-           "the default run; `WALKTHROUGH_FULL=1 make page` builds from the full one")
+           "its default run (`WALKTHROUGH_FULL=1 make page` builds from the full one)")
     made = commit()
     text = (f"*This page was built by `make page` on {datetime.date.today():%Y-%m-%d}"
             f"{f' from commit {made}' if made else ''}: Python {platform.python_version()}, "
-            f"{versions()}, on {processor()}. Every output below is from that run of the "
-            f"walkthrough, {run}, which took {seconds / 60:.1f} minutes.*")
+            f"{versions()}, on {processor()}. Every output below is from one run of the "
+            f"walkthrough, {seconds / 60:.1f} minutes long: {run}.*")
     notebook.cells.insert(1, nbformat.v4.new_markdown_cell(text))
     return notebook
 
