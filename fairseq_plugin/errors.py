@@ -22,6 +22,9 @@ import sys
 from hydra.errors import CompactHydraException
 from omegaconf.errors import ConfigKeyError
 
+from .signals import (STOP_NAMES, Stopped, end_by_signal, raise_stopped_in,
+                      running_a_fairseq_command)
+
 TRACEBACK_VARIABLE = "FAIRSEQ_PLUGIN_TRACEBACK"
 
 # fairseq re-raises a failed --restore-file as a new Exception with this message, inside the
@@ -90,14 +93,9 @@ def bad_input_message(exc: BaseException):
     return message + "; check the path"
 
 
-def _running_a_fairseq_command() -> bool:
-    return os.path.basename(sys.argv[0] if sys.argv else "").startswith("fairseq-")
-
-
 def exit_in_one_line(command: str, error: PluginError):
-    """For the plugin's own commands (annotated-prepare, ...), inside ``except PluginError``:
-    exit with ``COMMAND: error: <message>``, or re-raise for the full traceback when
-    ``FAIRSEQ_PLUGIN_TRACEBACK=1``."""
+    """(``command`` below) Exit with ``COMMAND: error: <message>``, or re-raise for the full
+    traceback when ``FAIRSEQ_PLUGIN_TRACEBACK=1``."""
     if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
         raise error
     sys.exit(f"{command}: error: {error}")
@@ -108,10 +106,10 @@ def print_plugin_errors_as_one_line(previous_hook):
     commands a missing file or input that is not UTF-8, as one line; anything else as before."""
     def hook(exc_type, exc, tb):
         message = one_line_error(exc)
-        if message is None and _running_a_fairseq_command():
+        if message is None and running_a_fairseq_command():
             message = bad_input_message(exc)
         quiet = os.environ.get(TRACEBACK_VARIABLE, "") in ("", "0")
-        if isinstance(exc, (KeyboardInterrupt, Stopped)) and _running_a_fairseq_command() and quiet:
+        if isinstance(exc, (KeyboardInterrupt, Stopped)) and running_a_fairseq_command() and quiet:
             signum = getattr(exc, "signum", signal.SIGINT)
             end_by_signal(f"fairseq_plugin: {os.path.basename(sys.argv[0])} stopped by "
                           f"{STOP_NAMES[signum]}", signum)
@@ -178,53 +176,6 @@ def max_tokens_checked(batch_by_size):
     return checked
 
 
-# -- Stop signals: Ctrl-C and SIGTERM end a command with one line and the signal's exit status
-# (128 + N for the shell, killed-by-N for a parent), not a traceback. Training's save on a signal
-# is preemption.py's; children stop with their parent (cli/common.py: run).
-
-STOP_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
-
-
-class Stopped(BaseException):
-    """SIGTERM, raised where the program is, as Ctrl-C raises KeyboardInterrupt."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def raise_stopped_in(pid: int):
-    """A SIGTERM handler for the process ``pid``; a forked child that inherited it just ends by
-    the signal, as without it (a pool's workers drop it at start: pool_worker_signals)."""
-    def handler(signum, frame):
-        if os.getpid() != pid:
-            end_by_signal(None, signum)
-        raise Stopped(signum)
-    return handler
-
-
-def end_by_signal(line, signum: int):
-    """Print ``line`` (if any), then end this process by ``signum``: its default action back,
-    the signal sent to itself (the exit status a parent and the shell expect)."""
-    if line:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-    sys.exit(128 + signum)  # (not reached: the signal's default action ends the process)
-
-
-def pool_worker_signals() -> None:
-    """A pool worker's initializer: Ctrl-C reaches the whole process group; the parent stops
-    the workers (without this, each prints a KeyboardInterrupt traceback). SIGTERM, which the
-    parent's pool sends its workers as it stops them, gets its default action back: the Python
-    handler inherited from the parent runs only between bytecodes, so a SIGTERM that lands just
-    before a worker blocks on the pool's queue lock would never run it, and the parent would
-    wait for that worker forever (seen: annotated-prepare hung at the end of its pool)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def stops_in_one_line(command: str, note: str = ""):
     """Decorates a command's main: Ctrl-C or SIGTERM inside ends it with one line, "COMMAND:
     stopped by SIGNAL" (and ``note``, or the exception's own ``note``: what to do next), and the
@@ -248,20 +199,18 @@ def stops_in_one_line(command: str, note: str = ""):
     return decorate
 
 
-def stop_signals_in_one_line():
-    """(fairseq_changes.py) In one of fairseq's commands, SIGTERM raises Stopped where the
-    command is, as Ctrl-C raises KeyboardInterrupt, and print_plugin_errors_as_one_line ends it
-    with one line (training's own save on a signal, preemption.py, takes over at its first
-    update). Returns what undoes it."""
-    import threading
-
-    if (not _running_a_fairseq_command() or threading.current_thread() is not
-            threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
-        return lambda: None
-    handler = raise_stopped_in(os.getpid())
-    signal.signal(signal.SIGTERM, handler)
-
-    def undo():
-        if signal.getsignal(signal.SIGTERM) is handler:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    return undo
+def command(name: str, note: str = ""):
+    """Decorates the main of each of the plugin's own commands (annotated-prepare, ...), naming
+    the command once: a PluginError ends it with one line, ``NAME: error: <what is wrong and how
+    to fix it>`` (exit status 1), and Ctrl-C or SIGTERM as ``stops_in_one_line`` says (with
+    ``note``: what to do next). FAIRSEQ_PLUGIN_TRACEBACK=1 shows the traceback instead."""
+    def decorate(main):
+        @stops_in_one_line(name, note)
+        @functools.wraps(main)
+        def with_errors_in_one_line(*args, **kwargs):
+            try:
+                return main(*args, **kwargs)
+            except PluginError as error:
+                exit_in_one_line(name, error)
+        return with_errors_in_one_line
+    return decorate

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from .checkpoints import (HAS_ALLOWLIST, check_output_file, check_outside, load_plain,
                           save_whole)
-from .errors import PluginError, exit_in_one_line, stops_in_one_line
+from .errors import PluginError, command
 from .models.annotated_transformer import resolved_model_config
 from .models.config import normalize_before
 from .modules.embeddings import SinusoidalPositionalEncoding
@@ -447,7 +447,7 @@ def to_ctranslate2(exported: dict, data: str, output_dir: str, args: Namespace):
         shutil.move(converted, output_dir)
 
 
-@stops_in_one_line("annotated-export-fairseq", "--output is written whole or not at all")
+@command("annotated-export-fairseq", "--output is written whole or not at all")
 def main(argv=None):
     p = argparse.ArgumentParser(
         prog="annotated-export-fairseq",
@@ -463,10 +463,7 @@ def main(argv=None):
                    help="overwrite an existing --output (never the checkpoint) and an earlier "
                         "CTranslate2 model")
     args = p.parse_args(argv)
-    try:
-        export(args.checkpoint, args.output, args.data, args.ctranslate2, args.force)
-    except PluginError as e:
-        exit_in_one_line("annotated-export-fairseq", e)
+    export(args.checkpoint, args.output, args.data, args.ctranslate2, args.force)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ is installed only while that command runs, i.e. when its module is already impor
 benchmark's child processes ask for ``BENCHMARK_BF16`` too. ``removed(name)`` puts a change's
 original back for a while: tests/test_fairseq_changes.py shows each change needed that way.
 
-The wrappers themselves live with their subject (checkpoints.py, errors.py, interactive.py,
-launch.py, preemption.py), named here as ``"module:function"``: this module imports only the
-standard library, so that the benchmark can load it by its path in a child process without
-importing the plugin (whose --user-dir fairseq imports itself).
+The wrappers themselves live with their subject (checkpoints.py, errors.py, signals.py,
+interactive.py, launch.py, preemption.py), named here as ``"module:function"``: this module
+imports only the standard library, so that the benchmark can load it by its path in a child
+process without importing the plugin (whose --user-dir fairseq imports itself).
 """
 
 import contextlib
@@ -72,7 +72,7 @@ CHANGES = (
     Change("one_line_errors", "sys", "excepthook", "errors:print_plugin_errors_as_one_line",
            "fairseq's commands answer a user's mistake (a missing file, a bad option) with a "
            "traceback"),
-    Change("stop_signals_in_one_line", "signal", "", "errors:stop_signals_in_one_line",
+    Change("stop_signals_in_one_line", "signal", "", "signals:stop_signals_in_one_line",
            "fairseq's commands end at Ctrl-C with a KeyboardInterrupt traceback and at SIGTERM "
            "without a word"),
     Change("unknown_options_in_one_line", "fairseq_cli.train", "add_defaults",

@@ -278,14 +278,15 @@ def test_no_cudnn_switches_cudnn_attention_off_around_the_layers_once_per_forwar
     import torch.nn.functional as F
 
     from conftest import build_tiny_model, make_dictionary, random_tokens
-    from fairseq_plugin.models import annotated_transformer
+    from fairseq_plugin.models import decoder, encoder
     from fairseq_plugin.modules.attention import fused_backends
 
     if not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
         pytest.skip("this torch has no cuDNN attention backend to switch off")
     if device == "cuda":
-        monkeypatch.setattr(annotated_transformer, "fused_backends",
-                            lambda backends, _: fused_backends(backends, torch.device("cuda")))
+        for stack in (encoder, decoder):
+            monkeypatch.setattr(stack, "fused_backends",
+                                lambda backends, _: fused_backends(backends, torch.device("cuda")))
     seen, sdpa = [], F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *args, **kwargs: (
         seen.append(torch.backends.cuda.cudnn_sdp_enabled()), sdpa(*args, **kwargs))[1])

@@ -13,7 +13,7 @@ from conftest import (CPU_AUTOCAST_DTYPES, PLUGIN_DIR, build_tiny_model, make_di
 from fairseq_plugin.modules.attention import EXPLICIT, FUSED, MultiHeadedAttention
 from fairseq_plugin.modules.cache import (ReorderPlans, SourceAttentionCache, plan_reorder,
                                           repeats_rows)
-from fairseq_plugin.models.annotated_transformer import source_mask
+from fairseq_plugin.models.encoder import source_mask
 from fairseq_plugin.modules import attention as attention_module
 from fairseq_plugin.reference import greedy_decode, src_mask_of
 from fairseq_plugin.reference_weights import plain_model, right_padded

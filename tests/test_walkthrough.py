@@ -28,7 +28,8 @@ FIGURES = ["masks.png", "positional_encoding.png", "label_smoothing.png",
            "label_smoothing_loss.png", "noam.png", "copy_task_loss.png", "tatoeba_loss.png",
            "encoder_self.png", "decoder_self.png", "decoder_source.png"]
 SHOWN_AS_CHARTS = {"positional_encoding.png", "noam.png"}  # written for docs/, shown as charts
-CHARTS = ["positional encoding (d_model 20)", "the Noam schedule", "the copy task, pre-LN and post-LN",
+CHARTS = ["positional encoding (d_model 20)", "the Noam schedule",
+          "the copy task, pre-LN and post-LN",
           "encoder self-attention", "decoder self-attention", "decoder-source attention"]
 ATTENTION = CHARTS[3:]
 # review copies of what the browser showed (gitignored build/)

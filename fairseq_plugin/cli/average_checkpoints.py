@@ -21,7 +21,7 @@ import re
 import torch
 
 from ..checkpoints import check_output_file, load_plain, save_whole
-from ..errors import PluginError, exit_in_one_line, stops_in_one_line
+from ..errors import PluginError, command
 
 
 def _arch(state):
@@ -116,7 +116,7 @@ def last_checkpoints(directory, n, by_update=False):
     return [path for _, path in sorted(found)[-n:]]
 
 
-@stops_in_one_line("annotated-average-checkpoints", "--output is written whole or not at all")
+@command("annotated-average-checkpoints", "--output is written whole or not at all")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
@@ -131,29 +131,26 @@ def main(argv=None):
                    help="overwrite --output if it exists (never one of the inputs)")
     args = p.parse_args(argv)
 
-    try:
-        by_update = args.num_update_checkpoints is not None
-        n = args.num_update_checkpoints if by_update else args.num_epoch_checkpoints
-        directories = [path for path in args.inputs if os.path.isdir(path)]
-        if n is not None:
-            flag = "--num-update-checkpoints" if by_update else "--num-epoch-checkpoints"
-            if n < 1:
-                p.error(f"{flag} {n}: average at least 1 checkpoint")
-            if len(args.inputs) != 1:
-                p.error(f"{flag} takes one directory in --inputs, not {len(args.inputs)} paths")
-            if not directories:
-                p.error(f"{flag}: {args.inputs[0]} is no directory; give the --save-dir of "
-                        f"the training")
-            paths = last_checkpoints(args.inputs[0], n, by_update)
-        elif directories:
-            p.error(f"{directories[0]} is a directory: add --num-epoch-checkpoints N or "
-                    f"--num-update-checkpoints N to average its last N checkpoints")
-        else:
-            paths = args.inputs
-        check_output_file(args.output, args.force, example="checkpoint_avg.pt", inputs=paths)
-        save_whole(average(paths), args.output)  # never a half-written checkpoint
-    except PluginError as e:
-        exit_in_one_line("annotated-average-checkpoints", e)
+    by_update = args.num_update_checkpoints is not None
+    n = args.num_update_checkpoints if by_update else args.num_epoch_checkpoints
+    directories = [path for path in args.inputs if os.path.isdir(path)]
+    if n is not None:
+        flag = "--num-update-checkpoints" if by_update else "--num-epoch-checkpoints"
+        if n < 1:
+            p.error(f"{flag} {n}: average at least 1 checkpoint")
+        if len(args.inputs) != 1:
+            p.error(f"{flag} takes one directory in --inputs, not {len(args.inputs)} paths")
+        if not directories:
+            p.error(f"{flag}: {args.inputs[0]} is no directory; give the --save-dir of "
+                    f"the training")
+        paths = last_checkpoints(args.inputs[0], n, by_update)
+    elif directories:
+        p.error(f"{directories[0]} is a directory: add --num-epoch-checkpoints N or "
+                f"--num-update-checkpoints N to average its last N checkpoints")
+    else:
+        paths = args.inputs
+    check_output_file(args.output, args.force, example="checkpoint_avg.pt", inputs=paths)
+    save_whole(average(paths), args.output)  # never a half-written checkpoint
     print(f"averaged {len(paths)} checkpoints into {args.output}:")
     for path in paths:
         print(f"  {path}")

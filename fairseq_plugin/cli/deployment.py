@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from ..errors import PluginError, exit_in_one_line, stops_in_one_line
+from ..errors import PluginError, command
 from .common import PACKAGE_DIR, check_checkpoint, prepared_settings
 from .evaluate import score
 
@@ -196,16 +196,13 @@ def parser():
     return p
 
 
-@stops_in_one_line("annotated-benchmark-deployment")
+@command("annotated-benchmark-deployment")
 def main(argv=None):
     args = parser().parse_args(argv)
-    try:
-        settings = prepared_settings(args.data_bin)
-        check_checkpoint(args.checkpoint)
-        with tempfile.TemporaryDirectory() as temp:
-            measure(args, settings, args.work_dir or temp)
-    except PluginError as e:
-        exit_in_one_line("annotated-benchmark-deployment", e)
+    settings = prepared_settings(args.data_bin)
+    check_checkpoint(args.checkpoint)
+    with tempfile.TemporaryDirectory() as temp:
+        measure(args, settings, args.work_dir or temp)
 
 
 def measure(args, settings, work):

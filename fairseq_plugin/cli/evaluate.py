@@ -17,7 +17,7 @@ import os
 import sys
 
 from ..checkpoints import check_output_file
-from ..errors import PluginError, exit_in_one_line, stops_in_one_line
+from ..errors import PluginError, command
 from .common import check_checkpoint, fairseq_cli, plugin_dir, prepared_settings, run
 
 
@@ -73,7 +73,7 @@ def score(data_bin, hyps, settings, subset="test"):
     return scores, list(zip(sources, refs, ordered))
 
 
-@stops_in_one_line("annotated-evaluate-bleu", "earlier outputs are kept")
+@command("annotated-evaluate-bleu", "earlier outputs are kept")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("data_bin")
@@ -85,17 +85,14 @@ def main(argv=None):
     p.add_argument("--examples", type=int, default=5)
     p.add_argument("--output", help="write the detokenised hypotheses here")
     args = p.parse_args(argv)
-    try:
-        if args.output:  # before the whole test set is decoded; a text file, overwritten
-            check_output_file(args.output, force=True, example="hypotheses.txt",
-                              inputs=[args.checkpoint], folders=[args.data_bin])
-        hyps, settings = generate_detokenised(args.data_bin, args.checkpoint, args.beam,
-                                              subset=args.subset,
-                                              extra=["--lenpen", str(args.lenpen)],
-                                              echo=functools.partial(print, file=sys.stderr))
-        scores, triples = score(args.data_bin, hyps, settings, args.subset)
-    except PluginError as e:
-        exit_in_one_line("annotated-evaluate-bleu", e)
+    if args.output:  # before the whole test set is decoded; a text file, overwritten
+        check_output_file(args.output, force=True, example="hypotheses.txt",
+                          inputs=[args.checkpoint], folders=[args.data_bin])
+    hyps, settings = generate_detokenised(args.data_bin, args.checkpoint, args.beam,
+                                          subset=args.subset,
+                                          extra=["--lenpen", str(args.lenpen)],
+                                          echo=functools.partial(print, file=sys.stderr))
+    scores, triples = score(args.data_bin, hyps, settings, args.subset)
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w", encoding="utf-8") as f:

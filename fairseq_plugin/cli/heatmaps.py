@@ -14,7 +14,7 @@ import argparse
 import os
 
 from ..checkpoints import check_outside
-from ..errors import PluginError, exit_in_one_line, stops_in_one_line
+from ..errors import PluginError, command
 from .common import check_checkpoint, prepared_settings
 
 KINDS = {  # file prefix -> (which stack, attention module inside a layer)
@@ -128,7 +128,7 @@ def numbers(flag: str, text: str, available: int) -> set:
     return chosen
 
 
-@stops_in_one_line("annotated-attention-heatmaps")
+@command("annotated-attention-heatmaps")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -141,25 +141,22 @@ def main(argv=None):
     p.add_argument("--heads", help="comma-separated head numbers from 0 (default: all)")
     p.add_argument("--beam", type=int, default=5)
     args = p.parse_args(argv)
-    try:
-        if not args.sentence.strip():
-            raise PluginError("the sentence is empty; give the text to translate in quotes")
-        check_outside("--out-dir", args.out_dir, [args.data_bin])
-        if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
-            raise PluginError(f"--out-dir {args.out_dir} is a file; give a directory for the "
-                              f"heat-maps")
-        require_matplotlib()  # before the model loads and translates
-        hub = load_hub(args.data_bin, args.checkpoint)
-        model = hub.models[0]
-        stacks = (model.encoder.layers, model.decoder.layers)
-        layers = None if args.layers is None else numbers(
-            "--layers", args.layers, max(len(stack) for stack in stacks))
-        heads = None if args.heads is None else numbers(
-            "--heads", args.heads, max(layer.self_attn.h for stack in stacks for layer in stack))
-        translation, drawn = write_heatmaps(hub, args.sentence, args.out_dir, layers, heads,
-                                            args.beam)
-    except PluginError as e:
-        exit_in_one_line("annotated-attention-heatmaps", e)
+    if not args.sentence.strip():
+        raise PluginError("the sentence is empty; give the text to translate in quotes")
+    check_outside("--out-dir", args.out_dir, [args.data_bin])
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise PluginError(f"--out-dir {args.out_dir} is a file; give a directory for the "
+                          f"heat-maps")
+    require_matplotlib()  # before the model loads and translates
+    hub = load_hub(args.data_bin, args.checkpoint)
+    model = hub.models[0]
+    stacks = (model.encoder.layers, model.decoder.layers)
+    layers = None if args.layers is None else numbers(
+        "--layers", args.layers, max(len(stack) for stack in stacks))
+    heads = None if args.heads is None else numbers(
+        "--heads", args.heads, max(layer.self_attn.h for stack in stacks for layer in stack))
+    translation, drawn = write_heatmaps(hub, args.sentence, args.out_dir, layers, heads,
+                                        args.beam)
     print(f"translation: {translation}\nwrote {len(drawn)} heat-maps to {args.out_dir}")
 
 

@@ -27,7 +27,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from . import reverse_task
 from .common import fairseq_cli, plugin_dir, run
-from ..errors import PluginError, stops_in_one_line
+from ..errors import PluginError, command
 
 ARCHS = ("annotated_transformer", "transformer")
 
@@ -135,7 +135,7 @@ def one_run(task: str, arch: str, seed: int, data_bin: str, work_dir: str, epoch
             **training_figures(log)}
 
 
-@stops_in_one_line("annotated-benchmark-learning", "run it again with a new --work-dir")
+@command("annotated-benchmark-learning", "run it again with a new --work-dir")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work-dir", default="work/learning", help="data, runs and results.json")

@@ -25,7 +25,8 @@ import sys
 import tempfile
 import urllib.request
 
-from ..errors import PluginError, Stopped, exit_in_one_line, stops_in_one_line
+from ..errors import PluginError, command
+from ..signals import Stopped
 from . import streaming
 from .common import fairseq_cli, run
 from .streaming import PrepareError
@@ -434,7 +435,7 @@ def check_languages(source_lang, target_lang) -> None:
                            f"different codes")
 
 
-@stops_in_one_line("annotated-prepare")
+@command("annotated-prepare")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -489,9 +490,7 @@ def main(argv=None):
             download(args.corpus, raw_dir)
         settings = prepare(raw_dir, dest, src, tgt, splits, args.bpe_merges, args.workers,
                            args.force, args.shards, args.bpe_sample_lines)
-    except PluginError as e:
-        exit_in_one_line("annotated-prepare", e)
-    except (KeyboardInterrupt, Stopped) as stop:  # what the rerun should do (stops_in_one_line)
+    except (KeyboardInterrupt, Stopped) as stop:  # what the rerun should do (command)
         stop.note = (f"an unfinished preparation is left in {dest}: run the same command with "
                      f"--force to prepare it again" if earlier_preparation(dest)
                      else f"nothing was written to {dest}")

@@ -23,7 +23,8 @@ import sys
 from typing import List, NamedTuple
 from unittest import mock
 
-from ..errors import PluginError, pool_worker_signals
+from ..errors import PluginError
+from ..signals import pool_worker_signals
 from .common import Progress
 
 CHUNK_LINES = 2000

@@ -1,1 +1,1 @@
-from . import annotated_transformer  # noqa: F401
+from . import annotated_transformer, presets  # noqa: F401  (registers them)

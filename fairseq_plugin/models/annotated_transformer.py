@@ -1,4 +1,5 @@
-"""The Annotated Transformer as a fairseq encoder-decoder model, and its arch presets.
+"""The Annotated Transformer as a fairseq encoder-decoder model: ``make_model`` builds the encoder
+(encoder.py) and the decoder (decoder.py) from the notebook's pieces (modules/).
 
 "Most competitive neural sequence transduction models have an encoder-decoder structure. Here,
 the encoder maps an input sequence of symbol representations (x_1, ..., x_n) to a sequence of
@@ -6,32 +7,23 @@ continuous representations z = (z_1, ..., z_n). Given z, the decoder then genera
 sequence (y_1, ..., y_m) of symbols one element at a time." (Vaswani et al. 2017, section 3)
 
 Tensors are batch-first: B batch, S source length, T target length, d d_model. The options and
-their checks are in config.py. Where each of the notebook's pieces lives (EncoderDecoder,
-make_model, Generator, ...): docs/code-map.md.
+their checks are in config.py, the --arch presets in presets.py, which checkpoints fit in
+compatibility.py. Where each of the notebook's pieces lives (EncoderDecoder, make_model,
+Generator, ...): docs/code-map.md.
 """
 
 import argparse
 import collections
 from argparse import Namespace
-from dataclasses import field, fields, make_dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Optional
 
 import torch
 from fairseq import utils
 from fairseq.dataclass.utils import gen_parser_from_dataclass
-from fairseq.models import (
-    ARCH_MODEL_REGISTRY,
-    FairseqEncoder,
-    FairseqEncoderDecoderModel,
-    FairseqIncrementalDecoder,
-    register_model,
-)
-from torch import Tensor, nn
+from fairseq.models import ARCH_MODEL_REGISTRY, FairseqEncoderDecoderModel, register_model
+from torch import nn
 
-from ..errors import PluginError
-from ..modules.attention import (NO_CUDNN, IncrementalState, MultiHeadedAttention,
-                                 check_backends, fused_backends)
-from ..modules.cache import Ancestry, ReorderPlans, beam_group, reorder_encoder_rows
+from ..modules.attention import MultiHeadedAttention
 from ..modules.compiled import CompiledLayers
 from ..modules.embeddings import (
     EmbeddingLayer,
@@ -41,252 +33,11 @@ from ..modules.embeddings import (
     SinusoidalPositionalEncoding,
 )
 from ..modules.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
-from ..modules.packing import packing_for
-from .config import (AnnotatedTransformerConfig, add_unsupported_transformer_flags,
-                     check_dictionaries, check_options, check_task, dictionary_fingerprint,
-                     dictionary_size_error, normalize_before, resolve_options)
-
-
-class AnnotatedTransformerEncoder(FairseqEncoder):
-    """"The encoder is composed of a stack of N = 6 identical layers." (section 3.1) Built by
-    ``AnnotatedTransformerModel.make_model``."""
-
-    def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[EncoderLayer],
-                 norm: Optional[nn.LayerNorm], skip_padding: bool = True,
-                 attention_backends: str = NO_CUDNN):
-        super().__init__(dictionary)
-        self.padding_idx = dictionary.pad()
-        self.embed = embed  # the notebook's src_embed: Embeddings and PositionalEncoding
-        self.layers = nn.ModuleList(layers)
-        self.norm = norm  # pre-LN's final LayerNorm (None when post-LN)
-        # in training, position-wise work on real tokens only (packing.py; off: --no-packing)
-        self.skip_padding = skip_padding
-        # --compile-layers: the layers compiled for full passes (modules/compiled.py), or None
-        self.compiled: Optional[CompiledLayers] = None
-        # --fused-attention-backends: where torch's fused attention may run, during the layers
-        self.attention_backends = check_backends(attention_backends)
-        self.beam_size = 1  # set by fairseq's SequenceGenerator, through the model
-        # beam search's reorder plans, shared with the decoder (make_model; modules/cache.py)
-        self.reorder_plans = ReorderPlans()
-
-    def forward(self, src_tokens: Tensor, src_lengths: Optional[Tensor] = None,
-                return_all_hiddens: bool = False, **unused):
-        """src_tokens (B, S) -> {"encoder_out": [(B, S, d)], "encoder_padding_mask": [(B, S)],
-        "src_mask": [(B, 1, 1, S)] or [] when nothing is padded, ...}"""
-        padding_mask = src_tokens.eq(self.padding_idx)  # (B, S), True at padding
-        padded = int(padding_mask.sum())  # the one value read back from the device (a GPU waits)
-        # the notebook's src_mask, True at real tokens, made once for the encoder and the decoder
-        mask = ~padding_mask[:, None, None, :] if padded else None  # (B, 1, 1, S)
-        x = self.embed(src_tokens)  # (B, S, d)
-        states = [x] if return_all_hiddens else []
-        # in training, position-wise work on real tokens only (modules/packing.py)
-        packing = packing_for(padding_mask, padded, self.skip_padding and self.training)
-        x = packing.pack(x)
-        with fused_backends(self.attention_backends, x.device):
-            for layer in self.compiled or self.layers:
-                x = layer(x, mask, packing)
-                if return_all_hiddens:
-                    states.append(packing.unpack(x))
-        x = packing.unpack(x)
-        if self.norm is not None:
-            x = self.norm(x)
-        return {
-            "encoder_out": [x],  # (B, S, d): batch-first, unlike fairseq's transformer
-            "encoder_padding_mask": [padding_mask],
-            "src_mask": [mask] if mask is not None else [],
-            "encoder_states": states,
-            "src_lengths": [src_lengths] if src_lengths is not None else [],
-            "beam_group": [],  # modules/cache.py: reorder_encoder_rows
-        }
-
-    @torch.jit.unused
-    def reorder_encoder_out(self, encoder_out: Dict[str, List[Tensor]], new_order: Tensor):
-        """Row i of the result is row new_order[i] of encoder_out; beam search's beam_size copies
-        of a sentence are not copied again at every step (modules/cache.py)."""
-        return reorder_encoder_rows(encoder_out, self.reorder_plans.reorder(new_order),
-                                    self.beam_size)
-
-    def max_positions(self) -> int:
-        return self.embed.max_positions
-
-
-def source_mask(encoder_out: Dict[str, List[Tensor]]) -> Optional[Tensor]:
-    """The encoder's src_mask (B, 1, 1, S), True at real tokens; None when nothing is padded."""
-    mask = encoder_out["src_mask"]
-    return mask[0] if mask else None
-
-
-def count_padding(padding: Tensor) -> Tuple[int, bool]:
-    """How many positions of a (B, T) padding mask (True at padding) are padding, and whether a
-    row has padding before a real token (left padding), read back from the device at once: each
-    read makes the host wait until a GPU has finished the work queued before it."""
-    padded, left = torch.stack([padding.sum(), (padding[:, :-1] & ~padding[:, 1:]).sum()]).tolist()
-    return padded, left > 0
-
-
-def average_heads(attn: Optional[Tensor], heads: Optional[int]) -> Optional[Tensor]:
-    """fairseq's alignment: the source attention (B, h, T, S) averaged over its first ``heads``
-    heads (all when None) -> (B, T, S)."""
-    if attn is None:
-        return None
-    return (attn if heads is None else attn[:, :heads]).mean(dim=1)
-
-
-class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
-    """"The decoder is also composed of a stack of N = 6 identical layers." (section 3.1) Built by
-    ``AnnotatedTransformerModel.make_model``.
-
-    With fairseq's ``incremental_state`` it decodes one token per call, reusing the keys and
-    values its attention modules cache (modules/cache.py), as beam search does; without it, it
-    runs teacher-forced over the whole prefix.
-    """
-
-    def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[DecoderLayer],
-                 norm: Optional[nn.LayerNorm], generator: Generator, skip_padding: bool = True,
-                 attention_backends: str = NO_CUDNN,
-                 reorder_plans: Optional[ReorderPlans] = None):
-        super().__init__(dictionary)
-        self.padding_idx = dictionary.pad()
-        self.embed = embed  # the notebook's tgt_embed: Embeddings and PositionalEncoding
-        self.layers = nn.ModuleList(layers)
-        self.norm = norm  # pre-LN's final LayerNorm (None when post-LN)
-        self.generator = generator
-        # in training, position-wise work on real tokens only (packing.py; off: --no-packing)
-        self.skip_padding = skip_padding
-        # --compile-layers: the layers compiled for full passes (modules/compiled.py), or None
-        self.compiled: Optional[CompiledLayers] = None
-        # --fused-attention-backends: where torch's fused attention may run, during the layers
-        self.attention_backends = check_backends(attention_backends)
-        # outside training, return the alignment layer's source attention, as fairseq's
-        # transformer always does (the hub's hypotheses, --print-alignment); False: the fused
-        # kernel in every attention (tests, the cache benchmark's baseline)
-        self.need_attn = True
-        # beam search's reorder plans: the encoder's (make_model), which each step's reorder
-        # then hands the encoder; its own where built alone
-        self.reorder_plans = reorder_plans if reorder_plans is not None else ReorderPlans()
-
-    def forward(
-        self,
-        prev_output_tokens: Tensor,
-        encoder_out: Optional[Dict[str, List[Tensor]]] = None,
-        incremental_state: Optional[IncrementalState] = None,
-        features_only: bool = False,
-        alignment_layer: Optional[int] = None,
-        alignment_heads: Optional[int] = None,
-        src_lengths: Optional[Tensor] = None,
-        return_all_hiddens: bool = False,
-        **unused,
-    ):
-        """prev_output_tokens (B, T) -> logits (B, T, V) (T = 1 with incremental_state) and
-        {"attn": [source attention (B, T, S) averaged over heads, or None], "inner_states": [...]}
-        (src_lengths and return_all_hiddens: fairseq's decoder interface, unused here; the inner
-        states come always, as from fairseq's transformer)"""
-        x, extra = self.extract_features(
-            prev_output_tokens, encoder_out, incremental_state, alignment_layer, alignment_heads)
-        if not features_only:
-            x = self.output_layer(x)
-        return x, extra
-
-    def extract_features(self, prev_output_tokens, encoder_out, incremental_state=None,
-                         alignment_layer=None, alignment_heads=None, **unused):
-        """(B, T, d) features before the generator, and {"attn", "inner_states"}."""
-        # the notebook's masks, True where a query may attend. src_mask: the source's real tokens.
-        # tgt_mask: make_std_mask's padding part, the target's real tokens, needed only when a row
-        # is left-padded (right padding follows every real token, so the causal mask hides it);
-        # its subsequent_mask part is the causal self-attention's (attention.py: attend).
-        src_mask = source_mask(encoder_out)  # (B, 1, 1, S) or None
-        step_position = None  # a decoding step's: one position for all rows
-        if incremental_state is None:  # a full pass, which may run the compiled layers
-            tgt_padding = prev_output_tokens.eq(self.padding_idx)  # (B, T)
-            padded, left_padded = count_padding(tgt_padding)  # one read back from the device
-            tgt_mask = ~tgt_padding[:, None, None, :] if left_padded else None
-            layers = self.compiled if self.compiled is not None else self.layers
-        else:  # a decoding step: only the newest token is new, and it has nothing to hide
-            step_position = self.embed.step_position(prev_output_tokens)
-            prev_output_tokens = prev_output_tokens[:, -1:]
-            tgt_padding, padded, tgt_mask = None, 0, None
-            self.begin_step(incremental_state, encoder_out, prev_output_tokens.size(0))
-            layers = self.layers  # (as they are: steps are not compiled)
-
-        memory = encoder_out["encoder_out"][0]  # (B, S, d_memory)
-        want_attn = alignment_layer is not None or (self.need_attn and not self.training)
-        if alignment_layer is None:
-            alignment_layer = len(self.layers) - 1
-        x = self.embed(prev_output_tokens, step_position)  # (B, T, d); None: counted per row
-        # in training, position-wise work on real tokens only (modules/packing.py); not when the
-        # source attention is returned: packed, its rows at padding would come from zero queries
-        # (uniform weights), not from the padding positions' own
-        packing = packing_for(tgt_padding, padded,
-                              self.skip_padding and self.training and not want_attn)
-        x = packing.pack(x)
-        attn, inner_states = None, [x]
-        with fused_backends(self.attention_backends, x.device):
-            for i, layer in enumerate(layers):
-                x, layer_attn = layer(x, memory, src_mask=src_mask, tgt_mask=tgt_mask,
-                                      incremental_state=incremental_state,
-                                      need_attn=want_attn and i == alignment_layer,
-                                      packing=packing)
-                inner_states.append(x)
-                if i == alignment_layer:
-                    attn = layer_attn
-        x = packing.unpack(x)
-        if self.norm is not None:  # pre-LN's final LayerNorm
-            x = self.norm(x)
-        # (B, T, d) each: batch-first, unlike fairseq's transformer
-        inner_states = [packing.unpack(s) for s in inner_states]
-        return x, {"attn": [average_heads(attn, alignment_heads)], "inner_states": inner_states}
-
-    def output_layer(self, features: Tensor) -> Tensor:
-        return self.generator(features)
-
-    def max_positions(self) -> int:
-        return self.embed.max_positions
-
-    # -- Incremental decoding: every attention module keeps a cache in fairseq's incremental_state
-    # (modules/cache.py); the decoder starts them, adds each step to the beam's ancestry and hands
-    # them beam search's reorders. Training and full passes never come here.
-
-    def attentions(self) -> List[MultiHeadedAttention]:
-        return [m for layer in self.layers for m in (layer.self_attn, layer.src_attn)]
-
-    def begin_step(self, incremental_state: IncrementalState,
-                   encoder_out: Dict[str, List[Tensor]], rows: int) -> None:
-        """Before each decoding step of ``rows`` hypotheses: empty caches at the first, then the
-        new step in the beam's ancestry."""
-        if self.layers[0].self_attn.cache(incremental_state) is None:
-            self.start_caches(incremental_state, beam_group(encoder_out), rows)
-        ancestry = self.get_incremental_state(incremental_state, "ancestry")
-        if ancestry is not None:
-            ancestry.add_step()
-
-    def start_caches(self, incremental_state: IncrementalState, group: int, rows: int) -> None:
-        """Empty caches for every attention module. When the encoder output holds its sentences in
-        groups of ``group`` copies (the beam), each group shares storage, and the self-attention
-        caches share one ancestry of the hypotheses (modules/cache.py)."""
-        ancestry = None
-        if group > 1:
-            weight = self.embed.embeddings.lut.weight
-            ancestry = Ancestry(rows, group, weight.dtype, weight.device)
-            self.set_incremental_state(incremental_state, "ancestry", ancestry)
-        for attention in self.attentions():
-            attention.start_cache(incremental_state, group, ancestry)
-
-    def reorder_incremental_state_scripting(self, incremental_state: IncrementalState,
-                                            new_order: Tensor) -> None:
-        """Beam search's reorder, once per step: worked out once (BeamReorder), then followed by
-        every cache and by the beam's ancestry while a cache reads it. (Replaces fairseq's walk
-        over every submodule.)"""
-        reorder = self.reorder_plans.reorder(new_order)
-        for attention in self.attentions():
-            attention.reorder_cache(incremental_state, reorder)
-        ancestry = self.get_incremental_state(incremental_state, "ancestry")
-        if ancestry is None:
-            return
-        read = any(layer.self_attn.cache(incremental_state).ancestry is ancestry
-                   for layer in self.layers)  # not when every cache ungrouped (attention weights)
-        if not read or not ancestry.reorder(reorder):
-            self.set_incremental_state(incremental_state, "ancestry", None)  # no groups any more
-
+from .compatibility import FINGERPRINT, check_compatible, check_dictionaries, dictionary_fingerprint
+from .config import (AnnotatedTransformerConfig, add_unsupported_transformer_flags, check_options,
+                     check_task, normalize_before, resolve_options)
+from .decoder import AnnotatedTransformerDecoder
+from .encoder import AnnotatedTransformerEncoder
 
 @register_model("annotated_transformer", dataclass=AnnotatedTransformerConfig)
 class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
@@ -449,9 +200,6 @@ def _feed_forward(args, d_model: int, d_ff: int) -> PositionwiseFeedForward:
         d_model, d_ff, utils.get_activation_fn(args.activation_fn), args.activation_dropout)
 
 
-FINGERPRINT = "dictionary_fingerprint"  # the model's buffer (config.dictionary_fingerprint)
-
-
 def drawn_by_its_module(name: str, linear_init: str) -> bool:
     """Whether init_parameters_ leaves the parameter ``name`` to its module's own rule: the
     attention's (MultiHeadedAttention.reset_parameters, each of W^Q, W^K, W^V, W^O on its own),
@@ -459,42 +207,6 @@ def drawn_by_its_module(name: str, linear_init: str) -> bool:
     parts = name.split(".")
     return ("self_attn" in parts or "src_attn" in parts
             or (linear_init == "fairseq" and "feed_forward" in parts))
-
-
-def check_compatible(expected: Dict[str, Tensor], loaded: Dict[str, Tensor],
-                     strict: bool = True) -> None:
-    """Explain why a checkpoint's parameters do not fit this model, or return. Parameters this
-    model lacks are ignored when not strict (as torch does); missing ones are refused always."""
-    missing = [k for k in expected if k not in loaded]
-    unexpected = [k for k in loaded if k not in expected]
-    if unexpected and len(missing) > len(expected) // 2:  # before any advice about LayerNorms
-        raise PluginError(
-            f"the checkpoint holds another architecture's parameters (e.g. {unexpected[0]}), not "
-            f"an annotated_transformer's; load it with the --arch it was trained with (its "
-            f"checkpoint's cfg.model), or train this model from scratch")
-    for stack in ("encoder", "decoder"):  # pre-LN's final LayerNorm: in one of them only
-        final_norm = f"{stack}.norm.weight"
-        if final_norm in missing or final_norm in unexpected:  # also when not strict
-            trained, built = ("pre", "post") if final_norm in unexpected else ("post", "pre")
-            raise PluginError(
-                f"the checkpoint's {stack} is {trained}-LN but these options build a {built}-LN "
-                f"{stack}; a checkpoint trained with one --*-normalize-before flag before the "
-                f"flags kept fairseq's per-stack meaning is pre-LN in both stacks: load it with "
-                f"--model-overrides \"{{'encoder_normalize_before': True, "
-                f"'decoder_normalize_before': True}}\"")
-    if missing or (unexpected and strict):
-        found = (f"missing {missing[0]}" + (f", has {unexpected[0]} instead" if unexpected else "")
-                 if missing else f"has {unexpected[0]}, which this model lacks")
-        raise PluginError(
-            f"the checkpoint does not hold this model's parameters ({found}); it was trained "
-            f"with another --arch or other flags: load it with those")
-    for k, v in expected.items():
-        if torch.is_tensor(v) and tuple(loaded[k].shape) != tuple(v.shape):
-            if k.endswith("embeddings.lut.weight") or k.endswith("generator.proj.weight"):
-                raise dictionary_size_error(loaded[k].shape[0], v.shape[0])
-            raise PluginError(
-                f"the checkpoint's {k} has shape {tuple(loaded[k].shape)} but this model's has "
-                f"{tuple(v.shape)}; it was trained with other sizes: load it with those flags")
 
 
 def resolved_model_config(model_cfg) -> Optional[Namespace]:
@@ -505,34 +217,3 @@ def resolved_model_config(model_cfg) -> Optional[Namespace]:
     if model is None or not issubclass(model, AnnotatedTransformerModel):
         return None
     return model.options(model_cfg)
-
-
-# ---------------------------------------------------------------------------------------------
-# Presets, registered next to the model: annotated_transformer with other defaults. Each is a
-# model name with its own config class, so that `--arch NAME` on the command line and
-# `model._name: NAME` in a fairseq-hydra-train recipe start from the same values.
-# ---------------------------------------------------------------------------------------------
-
-def register_preset(name: str, summary: str, **defaults):
-    config = make_dataclass(
-        "".join(part.title() for part in name.split("_")) + "Config",
-        [(f.name, f.type, field(default=defaults.get(f.name, f.default), metadata=f.metadata))
-         for f in fields(AnnotatedTransformerConfig)],
-        bases=(AnnotatedTransformerConfig,))
-    config.__doc__, config.__module__ = summary, __name__
-    model = type(config.__name__.replace("Config", "Model"), (AnnotatedTransformerModel,),
-                 {"__doc__": summary, "__module__": __name__})
-    return register_model(name, dataclass=config)(model)
-
-
-register_preset("annotated_transformer_iwslt_de_en",
-                "Like fairseq's transformer_iwslt_de_en: 6+6 layers, d_model 512, d_ff 1024, 4 heads.",
-                encoder_ffn_embed_dim=1024, encoder_attention_heads=4, decoder_attention_heads=4)
-register_preset("annotated_transformer_big",
-                "The paper's big model: d_model 1024, d_ff 4096, h=16, P_drop 0.3.",
-                encoder_embed_dim=1024, encoder_ffn_embed_dim=4096, encoder_attention_heads=16,
-                decoder_attention_heads=16, dropout=0.3)
-register_preset("annotated_transformer_tiny",
-                "Small and fast, for tests and sanity tasks: 2+2 layers, d_model 64, d_ff 256, 4 heads.",
-                encoder_embed_dim=64, encoder_ffn_embed_dim=256, encoder_layers=2,
-                decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4)

@@ -186,37 +186,6 @@ def _check_compiler() -> None:
                           f"this Python")
 
 
-def dictionary_fingerprint(src_dict, tgt_dict):
-    """(4,) int64: the source's and the target's number of types, each followed by the first 15
-    hex digits of the SHA-1 of its words in order (what a token's index means). The model keeps
-    it as a buffer, so checkpoints hold it: fairseq compares only the embeddings' sizes."""
-    import hashlib
-
-    import torch
-
-    return torch.tensor([n for d in (src_dict, tgt_dict) for n in (
-        len(d), int(hashlib.sha1("\n".join(d.symbols).encode()).hexdigest()[:15], 16))])
-
-
-def check_dictionaries(saved, own) -> None:
-    """One line where a checkpoint's fingerprint (``saved``) is not this model's (``own``)."""
-    if list(saved) == list(own):
-        return
-    for trained, given in ((saved[0], own[0]), (saved[2], own[2])):
-        if trained != given:
-            raise dictionary_size_error(trained, given)
-    raise PluginError("the checkpoint was trained with other dictionaries of the same size: its "
-                      "tokens would be read as other words; use the data-bin (dict.*.txt) it was "
-                      "trained with, or load it anyway with --model-overrides "
-                      "\"{'accept_other_dictionaries': True}\"")
-
-
-def dictionary_size_error(trained: int, given: int) -> PluginError:
-    return PluginError(f"the checkpoint was trained with a dictionary of {trained} types but this "
-                       f"data's dictionary has {given}; use the data-bin (dict.*.txt) the model "
-                       f"was trained with")
-
-
 def check_task(task) -> None:
     """One line for task options this model cannot serve: alignment supervision
     (--load-alignments, for label_smoothed_cross_entropy_with_alignment) reads the decoder's
