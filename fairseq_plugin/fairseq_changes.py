@@ -8,10 +8,11 @@ is installed only while that command runs, i.e. when its module is already impor
 benchmark's child processes ask for ``BENCHMARK_BF16`` too. ``removed(name)`` puts a change's
 original back for a while: tests/test_fairseq_changes.py shows each change needed that way.
 
-The wrappers themselves live with their subject (checkpoints.py, errors.py, signals.py,
-interactive.py, launch.py, preemption.py), named here as ``"module:function"``: this module
-imports only the standard library, so that the benchmark can load it by its path in a child
-process without importing the plugin (whose --user-dir fairseq imports itself).
+The wrappers themselves live with their subject (checkpoints.py, data_bin.py, errors.py,
+interactive.py, launch.py, preemption.py, run_dir.py, signals.py), named here as
+``"module:function"``: this module imports only the standard library, so that the benchmark can
+load it by its path in a child process without importing the plugin (whose --user-dir fairseq
+imports itself).
 """
 
 import contextlib
@@ -83,6 +84,14 @@ CHANGES = (
            "interactive:checked_make_batches",
            "fairseq-interactive 0.12 ends the session at an over-long line ('Size of sample #0 "
            "is invalid'), translates an empty one, and stdin's undecodable bytes as <unk>"),
+    Change("one_run_per_save_dir", "fairseq.checkpoint_utils", "verify_checkpoint_directory",
+           "run_dir:locked_save_dir",
+           "fairseq 0.12 has no lock on a --save-dir: a second fairseq-train into it runs to the "
+           "end, the two runs overwriting each other's checkpoints"),
+    Change("damaged_data_bin_in_one_line", "fairseq.data.indexed_dataset", "make_dataset",
+           "data_bin:checked_make_dataset",
+           "fairseq 0.12 trusts a split's .idx: a .bin cut short stops training when a batch "
+           "reaches it, with numpy's 'offset must be non-negative' and no file named"),
     Change("max_tokens_below_a_sentence_in_one_line", "fairseq.data.data_utils", "batch_by_size",
            "errors:max_tokens_checked",
            "fairseq 0.12 answers --max-tokens below its longest sentence with an AssertionError "

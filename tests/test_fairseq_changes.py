@@ -42,6 +42,10 @@ NEEDED = {
         "test_fairseq_changes.py::test_an_unknown_model_name_is_refused_only_with_the_change",
     "interactive_skips_bad_lines":
         "test_fairseq_changes.py::test_interactive_skips_an_empty_line_only_with_the_change",
+    "one_run_per_save_dir":
+        "test_run_dir.py::test_fairseq_lets_two_trainings_into_one_save_dir_only_without_the_change",
+    "damaged_data_bin_in_one_line":
+        "test_data_bin.py::test_fairseq_loads_a_bin_cut_short_without_a_word_only_without_the_change",
     "max_tokens_below_a_sentence_in_one_line":
         "test_fairseq_changes.py::test_max_tokens_below_a_sentence_is_one_line_only_with_the_change",
     "bf16_without_tpu": "test_benchmark.py::"
