@@ -15,7 +15,9 @@ has no allowlist and needs none: its ``torch.load`` default (``weights_only=Fals
 reads a Namespace, as fairseq 0.12.2 expects.
 
 A damaged checkpoint file (truncated copy, interrupted save) gets one clear line naming the
-file, instead of a zip-reader traceback.
+file, instead of a zip-reader traceback. A save that runs out of disk space fails whole: what it
+wrote is removed, what it replaced is put back, and the run ends in one line naming the newest
+whole checkpoint.
 """
 
 import argparse
@@ -169,6 +171,7 @@ def write_whole(path: str, write) -> None:
     folder made if need be); a failed write leaves no PATH.tmp behind."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
+    _WRITING[0] = path
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -286,3 +289,113 @@ def explain_unreadable_checkpoints(load):
 
     return load_checkpoint_to_cpu
 
+
+
+# -- A full disk during a save. fairseq 0.12 retries torch.save three times into the same half-written
+# file, logs each traceback, leaves CHECKPOINT.pt.tmp behind, and may have replaced
+# checkpoint_best.pt already when the copy to checkpoint_last.pt fails.
+
+REPLACED = ("checkpoint_best", "checkpoint_last")  # the names a save writes over
+KEPT = ".before-save"  # a hard link to each of those while a save runs
+_WRITING = [None]  # the checkpoint file a save is writing now (its name for the error line)
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) says the disk or the quota is full; torch's
+    zip writer says "file write failed" where Python's write said ENOSPC."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(exc, RuntimeError) and ("file write failed" in str(exc)
+                                              or "No space left" in str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def one_try_on_a_full_disk(torch_persistent_save):
+    """fairseq's ``checkpoint_utils._torch_persistent_save`` (fairseq_changes.py): a full disk
+    ends the save at once, not after three tries (into the same half-written file) and a logged
+    traceback each."""
+    @functools.wraps(torch_persistent_save)
+    def save(obj, f):
+        if isinstance(f, str):
+            return torch_persistent_save(obj, f)
+        _WRITING[0] = getattr(f, "name", None)
+        try:
+            return torch.save(obj, f)
+        except Exception as exc:
+            if out_of_space(exc):
+                raise
+            return torch_persistent_save(obj, f)  # fairseq's own tries
+    return save
+
+
+def update_of(path: str):
+    """The number of updates a checkpoint was saved at, or None where it does not say."""
+    try:
+        return load_plain(path)["optimizer_history"][-1]["num_updates"]
+    except Exception:  # (an unreadable file has no update to name)
+        return None
+
+
+def full_disk_error(save_dir: str, failed: str) -> PluginError:
+    """One line: the file that could not be written, the space it needed and the disk had, and
+    the newest whole checkpoint the same command resumes from."""
+    newest = newest_whole_checkpoint(save_dir)
+    size = os.path.getsize(newest) if newest else None
+    free = shutil.disk_usage(save_dir).free
+    needed = f"a checkpoint takes {size / 1e6:,.1f} MB, " if size else ""
+    if newest:
+        update = update_of(newest)
+        kept = (f"the newest whole checkpoint is {newest}"
+                + (f" (update {update})" if update is not None else "")
+                + ": free space, then run the same command to resume from it")
+    else:
+        kept = "there is no whole checkpoint yet: free space, then run the same command"
+    return PluginError(f"could not write {failed}: the disk holding {save_dir} is full "
+                       f"({needed}{free / 1e6:,.1f} MB are free); nothing of this save is kept, "
+                       f"{kept}")
+
+
+def saves_fail_whole(save_checkpoint):
+    """fairseq's ``checkpoint_utils.save_checkpoint`` (fairseq_changes.py): a save that runs out
+    of disk space is undone (its new files removed, checkpoint_best.pt and checkpoint_last.pt as
+    they were) and ends the run in one line (full_disk_error)."""
+    @functools.wraps(save_checkpoint)
+    def save(cfg, trainer, epoch_itr, val_loss):
+        folder = cfg.save_dir
+        if (cfg.no_save or not trainer.should_save_checkpoint_on_current_rank
+                or not os.path.isdir(folder)):
+            return save_checkpoint(cfg, trainer, epoch_itr, val_loss)
+        _WRITING[0] = None
+        before = set(os.listdir(folder))
+        kept = {}
+        for name in before:  # (links take no space but a directory entry)
+            if name.startswith(REPLACED) and name.endswith(".pt"):
+                with contextlib.suppress(OSError):
+                    os.link(os.path.join(folder, name), os.path.join(folder, name + KEPT))
+                    kept[name] = name + KEPT
+        try:
+            return save_checkpoint(cfg, trainer, epoch_itr, val_loss)
+        except BaseException as exc:
+            if not out_of_space(exc):
+                raise
+            made = sorted(set(os.listdir(folder)) - before - set(kept.values()))
+            for name in made:
+                os.remove(os.path.join(folder, name))
+            for name, link in kept.items():  # (rename does nothing where both are one file)
+                target, saved = os.path.join(folder, name), os.path.join(folder, link)
+                if os.path.exists(target) and os.path.samefile(target, saved):
+                    os.remove(saved)
+                else:
+                    os.replace(saved, target)
+            kept = {}
+            failed = _WRITING[0] or f"a checkpoint in {folder}"
+            raise full_disk_error(folder, failed[:-len(".tmp")] if failed.endswith(".tmp")
+                                  else failed) from None
+        finally:
+            for link in kept.values():
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(folder, link))
+    return save

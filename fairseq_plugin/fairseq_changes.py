@@ -53,6 +53,14 @@ CHANGES = (
            "checkpoints:whole_copies",
            "fairseq 0.12's save_checkpoint copies the first file to checkpoint_last.pt and "
            "checkpoint_best.pt in place: a kill during the copy tears them"),
+    Change("saves_fail_whole_on_a_full_disk", "fairseq.checkpoint_utils", "save_checkpoint",
+           "checkpoints:saves_fail_whole",
+           "fairseq 0.12 answers a disk that fills during a save with tracebacks, leaves the "
+           "half-written CHECKPOINT.pt.tmp, and may have replaced checkpoint_best.pt already"),
+    Change("one_try_on_a_full_disk", "fairseq.checkpoint_utils", "_torch_persistent_save",
+           "checkpoints:one_try_on_a_full_disk",
+           "fairseq 0.12 retries torch.save three times into the same half-written file on a "
+           "full disk, logging a traceback each time"),
     Change("resume_from_newest_whole_checkpoint", "fairseq.checkpoint_utils", "load_checkpoint",
            "preemption:resume_from_newest_whole",
            "fairseq 0.12 stops on a damaged checkpoint_last.pt instead of resuming from the "

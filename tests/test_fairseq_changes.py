@@ -26,6 +26,10 @@ NEEDED = {
         "test_fairseq_changes.py::test_other_ranks_unpickle_the_loaded_state_only_with_the_change",
     "checkpoint_copies_whole":
         "test_preemption.py::test_a_copy_killed_midway_leaves_the_old_checkpoint_whole",
+    "saves_fail_whole_on_a_full_disk":
+        "test_full_disk.py::test_a_save_that_fails_on_a_full_disk_puts_back_what_it_replaced",
+    "one_try_on_a_full_disk":
+        "test_full_disk.py::test_fairseq_tries_a_full_disk_three_times_only_without_the_change",
     "resume_from_newest_whole_checkpoint":
         "test_preemption.py::test_a_torn_checkpoint_last_is_passed_over_for_the_newest_whole_one",
     "patience_saved_with_checkpoints":
