@@ -132,38 +132,7 @@ def load_plain(path: str) -> dict:
         return torch.load(path, map_location="cpu", weights_only=HAS_ALLOWLIST)
 
 
-def same_file(a: str, b: str) -> bool:
-    """Whether two paths name one existing file (through links too)."""
-    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
-
-
-def check_output_file(path: str, force: bool, example: str, inputs=(), folders=()) -> None:
-    """One line for an ``--output`` file that may not be written: one of the command's
-    ``inputs`` (--force or not, through links too), a path inside one of the ``folders`` it
-    reads (a data-bin: its dictionaries, BPE codes and raw references stay as they are), a
-    directory (``example`` names a file in it), or an existing file without ``--force``."""
-    if any(same_file(path, read) for read in inputs):
-        raise PluginError(f"--output {path} is one of this command's inputs; give another path "
-                          f"(inputs are kept)")
-    check_outside("--output", path, folders)
-    if os.path.isdir(path):
-        raise PluginError(f"--output {path} is a directory; give a file name, e.g. "
-                          f"{os.path.join(path, example)}")
-    if os.path.exists(path) and not force:
-        raise PluginError(f"{path} already exists; choose another output or pass --force")
-
-
-def check_outside(option: str, path: str, folders) -> None:
-    """One line for an output ``path`` that is one of the ``folders`` a command reads or lies
-    inside one (links followed, also for a path not made yet)."""
-    real = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))),
-                        os.path.basename(os.path.abspath(path)))
-    real = os.path.realpath(real) if os.path.exists(path) else real
-    for folder in folders:
-        read = os.path.realpath(folder)
-        if os.path.commonpath([real, read]) == read:
-            raise PluginError(f"{option} {path} is inside {folder}, which this command reads; "
-                              "give a path outside it (its files are kept)")
+_WRITING = [None]  # the checkpoint file being written now (its name for a full disk's line)
 
 
 def write_whole(path: str, write) -> None:
@@ -297,7 +266,6 @@ def explain_unreadable_checkpoints(load):
 
 REPLACED = ("checkpoint_best", "checkpoint_last")  # the names a save writes over
 KEPT = ".before-save"  # a hard link to each of those while a save runs
-_WRITING = [None]  # the checkpoint file a save is writing now (its name for the error line)
 
 
 def out_of_space(exc: BaseException) -> bool:

@@ -36,6 +36,10 @@ class PluginError(ValueError, CompactHydraException):
     """A user-facing error whose message says what is wrong and how to fix it."""
 
 
+class PrepareError(PluginError):
+    """A PluginError of annotated-prepare (raised in outputs.py and cli/)."""
+
+
 def spelling_hint(name: str, known, listed_in: str = "") -> str:
     """'did you mean X?' for the known name closest to a misspelled one, else where to look.
     (fairseq-train --help cannot list a model's options: it answers before adding them.)"""

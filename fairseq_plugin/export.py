@@ -45,20 +45,16 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from torch import Tensor
 
-from .checkpoints import (HAS_ALLOWLIST, check_output_file, check_outside, load_plain,
-                          save_whole)
+from .checkpoints import HAS_ALLOWLIST, load_plain, save_whole
 from .errors import PluginError, command
 from .models.annotated_transformer import resolved_model_config
 from .models.config import normalize_before
 from .modules.embeddings import SinusoidalPositionalEncoding
+from .outputs import check_ctranslate2_dir, check_output_file, check_outside
 
 # max |logit difference| accepted between the two models, relative to the largest |logit| (at
 # least 1): float32 rounding grows with the logits
 TOLERANCE = 1e-4
-# what CTranslate2's converter writes: --force replaces a directory holding only these
-CTRANSLATE2_FILES = {"config.json", "model.bin", "shared_vocabulary.json", "source_vocabulary.json",
-                     "target_vocabulary.json", "shared_vocabulary.txt", "source_vocabulary.txt",
-                     "target_vocabulary.txt"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,35 +378,6 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
     if ctranslate2_dir:
         log(f"annotated-export-fairseq: wrote the CTranslate2 model {ctranslate2_dir}")
     return diff
-
-
-def check_ctranslate2_dir(path: str, output: str, force: bool) -> None:
-    """One line for a --ctranslate2 directory that may not be written: one holding --output, a
-    file or a link, a folder of other files than an earlier CTranslate2 model's (--force would
-    replace it), or an earlier model without --force."""
-    real = os.path.realpath(path)
-    if os.path.realpath(output) == real or os.path.realpath(output).startswith(real + os.sep):
-        raise PluginError(f"--ctranslate2 {path} would hold --output {output}; give the "
-                          f"CTranslate2 model a directory of its own")
-    if os.path.islink(path):
-        raise PluginError(f"--ctranslate2 {path} is a symbolic link; give the directory itself")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise PluginError(f"--ctranslate2 {path} is a file; give a directory for the CTranslate2 "
-                          f"model")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise PluginError(f"--ctranslate2 {path}: {parent} is a file, not a directory")
-    if not os.path.isdir(path):
-        return
-    others = sorted(set(os.listdir(path)) - CTRANSLATE2_FILES)
-    if others:
-        raise PluginError(f"--ctranslate2 {path} holds files that are not a CTranslate2 model's "
-                          f"(e.g. {others[0]}); --force replaces only an earlier CTranslate2 "
-                          f"model: give a new directory")
-    if not force:
-        raise PluginError(f"{path} already exists; choose another --ctranslate2 or pass --force")
 
 
 def to_ctranslate2(exported: dict, data: str, output_dir: str, args: Namespace):

@@ -20,7 +20,8 @@ import re
 
 import torch
 
-from ..checkpoints import check_output_file, load_plain, save_whole
+from ..checkpoints import load_plain, save_whole
+from ..outputs import check_output_file
 from ..errors import PluginError, command
 
 

@@ -16,7 +16,7 @@ import functools
 import os
 import sys
 
-from ..checkpoints import check_output_file
+from ..outputs import check_output_file
 from ..errors import PluginError, command
 from .common import check_checkpoint, fairseq_cli, plugin_dir, prepared_settings, run
 

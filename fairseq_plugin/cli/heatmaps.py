@@ -13,7 +13,7 @@ heads by default). Rows are queries, columns the keys they attend to; each row s
 import argparse
 import os
 
-from ..checkpoints import check_outside
+from ..outputs import check_output_folder
 from ..errors import PluginError, command
 from .common import check_checkpoint, prepared_settings
 
@@ -143,10 +143,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.sentence.strip():
         raise PluginError("the sentence is empty; give the text to translate in quotes")
-    check_outside("--out-dir", args.out_dir, [args.data_bin])
-    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
-        raise PluginError(f"--out-dir {args.out_dir} is a file; give a directory for the "
-                          f"heat-maps")
+    check_output_folder("--out-dir", args.out_dir, [args.data_bin], "heat-maps")
     require_matplotlib()  # before the model loads and translates
     hub = load_hub(args.data_bin, args.checkpoint)
     model = hub.models[0]

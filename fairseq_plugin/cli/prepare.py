@@ -25,11 +25,11 @@ import sys
 import tempfile
 import urllib.request
 
-from ..errors import PluginError, command
+from ..errors import PrepareError, command
+from ..outputs import MARKER, check_destination, earlier_preparation, own_folder
 from ..signals import Stopped
 from . import streaming
 from .common import fairseq_cli, run
-from .streaming import PrepareError
 
 # name -> languages, split prefixes, download (url template by file) or bundled directory
 CORPORA = {
@@ -60,7 +60,6 @@ CORPORA = {
 }
 
 
-MARKER = ".annotated-prepare"  # written first into DEST: --force replaces only a preparation
 
 
 # what a preparation writes into DEST: ours, and fairseq-preprocess's dictionaries, binarised
@@ -72,11 +71,6 @@ PREPARATION_ENTRY = re.compile(
     r"|preprocess\.log"
     r"|dict\.[^.]+\.txt"
     r"|(train|valid\d*|test\d*)\.[^.]+-[^.]+\.[^.]+(\.pt\d+)?\.(bin|idx)")
-
-
-def earlier_preparation(dest) -> bool:
-    """Whether DEST was written by annotated-prepare (finished or stopped half-way)."""
-    return any(os.path.exists(os.path.join(dest, name)) for name in (MARKER, "prepare.json"))
 
 
 def remove_earlier_preparation(dest) -> None:
@@ -187,18 +181,6 @@ def _iwslt_xml_segments(path):
         return [m.group(1).strip() for m in re.finditer(r"<seg[^>]*>(.*?)</seg>", f.read())]
 
 
-RAW_MARKER = ".annotated-prepare-raw"  # in a folder annotated-prepare made (DEST.raw, ...)
-
-
-def own_folder(path, what) -> str:
-    """``path``, made if absent; refused when it exists and annotated-prepare did not make it
-    (its files would be overwritten)."""
-    if os.path.exists(path) and not os.path.exists(os.path.join(path, RAW_MARKER)):
-        raise PrepareError(f"{path} exists and was not made by annotated-prepare, which writes "
-                           f"{what} there; move it, or choose another --dest")
-    os.makedirs(path, exist_ok=True)
-    open(os.path.join(path, RAW_MARKER), "w").close()
-    return path
 
 
 def iwslt14_to_raw(extracted, raw_dir, src="de", tgt="en", unpack_dir=None):
@@ -254,33 +236,6 @@ def preprocess_summary(line: str):
     or None."""
     summary = re.search(r"\[[^]]+\] \S+: \d+ sents, .*", line)
     return f"fairseq-preprocess {summary[0]}" if summary else None
-
-
-def check_destination(dest, raw_dir, force) -> bool:
-    """Whether DEST holds an earlier preparation to replace (once the input is read), or one
-    line for a DEST the preparation may not write to."""
-    if os.path.exists(dest) and not os.path.isdir(dest):
-        raise PrepareError(f"--dest {dest} is a file; give a directory (new or empty)")
-    real_dest = os.path.realpath(dest)
-    if os.path.commonpath([os.path.realpath(raw_dir), real_dest]) == real_dest:
-        raise PrepareError(f"--raw-dir {raw_dir} is inside --dest {dest}, which the preparation "
-                           f"replaces; give a --dest outside the raw text")
-    if not (os.path.isdir(dest) and os.listdir(dest)):
-        return False
-    if not earlier_preparation(dest):
-        raise PrepareError(f"{dest} is not empty and holds no earlier preparation (no "
-                           f"prepare.json), so it is not replaced, not even with --force; "
-                           f"choose another --dest")
-    if not force and not os.path.exists(os.path.join(dest, "prepare.json")):
-        raise PrepareError(f"{dest} holds an unfinished preparation (it was interrupted); pass "
-                           f"--force to prepare it again, or choose another --dest")
-    if not force:
-        raise PrepareError(f"{dest} holds an earlier preparation; pass --force to replace it, or "
-                           f"choose another --dest")
-    if os.path.islink(dest):
-        raise PrepareError(f"--dest {dest} is a symbolic link; give the directory it points to "
-                           f"({os.path.realpath(dest)})")
-    return True
 
 
 def usable_cores() -> int:

@@ -23,15 +23,11 @@ import sys
 from typing import List, NamedTuple
 from unittest import mock
 
-from ..errors import PluginError
+from ..errors import PrepareError
 from ..signals import pool_worker_signals
 from .common import Progress
 
 CHUNK_LINES = 2000
-
-
-class PrepareError(PluginError):
-    pass
 
 
 def text_path(path: str) -> str:
