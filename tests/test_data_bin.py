@@ -28,6 +28,7 @@ def cut_short(data_bin, tmp_path, name, by):
     return copy
 
 
+@pytest.mark.main_lane  # (the second lane: the check against its fairseq's loader, below)
 def test_a_bin_cut_short_stops_training_and_decoding_before_they_start(whole, tmp_path):
     train = cut_short(whole, tmp_path, "train.src-tgt.src.bin", 10)
     proc = cli("fairseq-train", train, "--user-dir", PLUGIN_DIR, "--arch",

@@ -134,6 +134,9 @@ def test_torchrun_two_node_ranks_on_cpus_equal_one_rank_with_update_freq_2(data_
     procs = [torchrun_node(r, 2, 1, port, args, logs[r]) for r in (0, 1)]
     rank0, _ = wait_all(procs, logs)
     assert "CPU rank 0 of 2 from torchrun's environment (env://)" in rank0
+    # both ranks ran on this host with one save-dir: only the saving rank locked it (run_dir.py),
+    # or the other would have been refused
+    assert (save / ".fairseq-train.lock").read_text().startswith("pid ")
     check_equal_to_one_rank_with_update_freq_2(data_bin, tmp_path, rank0, save)
 
 

@@ -48,6 +48,7 @@ def small_file_system(path, size):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+@pytest.mark.main_lane  # (the second lane: both changes against its fairseq, below)
 def test_a_full_disk_during_a_save_fails_it_whole_and_the_rerun_resumes(data_bin, tmp_path):
     # a checkpoint of this run: each save writes checkpoint_best.pt and copies it to
     # checkpoint_last.pt, so two fit in 2.5 checkpoints' space, and a second save (a third file

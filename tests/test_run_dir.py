@@ -46,6 +46,7 @@ def posix_locks_on(path):
                 if fields[1] == "POSIX" and int(fields[5].split(":")[-1]) == inode]
 
 
+@pytest.mark.main_lane  # (the second lane: the lock against its fairseq, in-process, below)
 def test_a_second_training_is_refused_readers_go_on_and_a_killed_run_blocks_nothing(
         data_bin, tmp_path):
     save_dir = tmp_path / "checkpoints"
