@@ -18,13 +18,12 @@ import os
 import struct
 
 import numpy as np
+from fairseq.data.indexed_dataset import _code_to_dtype as TOKEN_TYPES  # the header's type code
 
 from .errors import PluginError
 
 MAGIC = b"MMIDIDX\x00\x00"  # fairseq's MMapIndexedDataset.Index header
 HEADER = struct.Struct("<9sQBQ")  # magic, version, dtype code, number of sentences
-# fairseq's dtype codes (indexed_dataset._code_to_dtype): the .bin's token id type
-ITEM_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 8, 8: 2}
 
 
 def damage(prefix: str):
@@ -39,8 +38,8 @@ def damage(prefix: str):
         if len(header) < HEADER.size:
             return f"{idx} ends inside its header ({idx_size} bytes)"
         _, _, code, n = HEADER.unpack(header)
-        if code not in ITEM_SIZES:
-            return f"{idx} names no token type fairseq knows (code {code})"
+        if code not in TOKEN_TYPES:
+            return None  # fairseq's own error
         promised = HEADER.size + n * (4 + 8)  # n int32 lengths, then n int64 start positions
         if idx_size < promised:
             return (f"{idx} promises {n:,} sentences, {promised:,} bytes, but holds "
@@ -51,7 +50,7 @@ def damage(prefix: str):
         last_length = int(np.frombuffer(f.read(4), dtype=np.int32)[0])
         f.seek(HEADER.size + n * 4 + (n - 1) * 8)
         last_start = int(np.frombuffer(f.read(8), dtype=np.int64)[0])
-    needed = last_start + last_length * ITEM_SIZES[code]
+    needed = last_start + last_length * np.dtype(TOKEN_TYPES[code]).itemsize
     if bin_size < needed:
         return (f"{idx} puts its {n:,} sentences in {needed:,} bytes of {bin_}, which holds "
                 f"{bin_size:,}")

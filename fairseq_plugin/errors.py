@@ -183,7 +183,9 @@ def max_tokens_checked(batch_by_size):
 def stops_in_one_line(command: str, note: str = ""):
     """Decorates a command's main: Ctrl-C or SIGTERM inside ends it with one line, "COMMAND:
     stopped by SIGNAL" (and ``note``, or the exception's own ``note``: what to do next), and the
-    signal's exit status; the full traceback with FAIRSEQ_PLUGIN_TRACEBACK=1."""
+    signal's exit status; the full traceback with FAIRSEQ_PLUGIN_TRACEBACK=1. The plugin's
+    commands take ``command`` below; the demos' scripts this alone (their PluginErrors reach
+    sys.excepthook's one line)."""
     def decorate(main):
         @functools.wraps(main)
         def wrapped(*args, **kwargs):
