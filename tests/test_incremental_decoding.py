@@ -183,7 +183,7 @@ def test_grouped_beam_steps_under_autocast_equal_a_full_pass(dtype):
             model.decoder.reorder_incremental_state_scripting(state, order)
             encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
             tokens = torch.cat([tokens.index_select(0, order), random_tokens(d, 4, 1, g)], 1)
-        ancestry = model.decoder.get_incremental_state(state, "ancestry")
+        ancestry = model.decoder.beam.ancestry(state)
     assert ancestry is not None and ancestry.mask.dtype == dtype
     assert {m.cache(state).group for m in model.decoder.attentions()} == {2}
 
@@ -273,11 +273,11 @@ def test_a_stale_beam_size_does_not_group_different_sentences():
 
     fresh = greedy()
     SequenceGenerator([model], d, beam_size=2)  # tells the model beam size 2, like fairseq
-    assert model.encoder.beam_size == 2
+    assert model.encoder.beam.size == 2
     assert greedy() == fresh
     # (greedy search reorders nothing while no sentence finishes;) a reorder of distinct
     # sentences in pairs does not make groups of 2 either
-    from fairseq_plugin.modules.cache import beam_group
+    from fairseq_plugin.modules.beam import beam_group
     with torch.no_grad():
         swapped = model.encoder.reorder_encoder_out(model.encoder(src, lengths),
                                                     torch.tensor([1, 0, 3, 2]))
@@ -437,7 +437,7 @@ def test_steps_after_reorders_within_and_then_across_groups_equal_a_full_pass(so
             step = model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)[0]
             full = model.decoder(tokens, model.encoder(src[sentence], lengths[sentence]))[0]
             assert (step[:, -1] - full[:, -1]).abs().max() <= 1e-5
-            grouped.append(model.decoder.get_incremental_state(state, "ancestry") is not None)
+            grouped.append(model.decoder.beam.ancestry(state) is not None)
             for order in map(torch.tensor, reorders):
                 model.decoder.reorder_incremental_state_scripting(state, order)
                 encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
@@ -463,9 +463,9 @@ def test_the_ancestry_is_dropped_once_no_cache_reads_it():
         encoder_out = model.encoder.reorder_encoder_out(model.encoder(src, lengths), sentence)
         tokens, state = torch.full((4, 1), d.eos()), {}
         model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)
-        assert model.decoder.get_incremental_state(state, "ancestry") is not None
+        assert model.decoder.beam.ancestry(state) is not None
         model.decoder.reorder_incremental_state_scripting(state, order)
-        assert model.decoder.get_incremental_state(state, "ancestry") is None
+        assert model.decoder.beam.ancestry(state) is None
         encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
         tokens = torch.cat([tokens.index_select(0, order), random_tokens(d, 4, 1)], 1)
         step = model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)[0]
@@ -512,10 +512,10 @@ def test_reorders_share_plans_only_for_the_same_unchanged_tensor():
     assert plans.reorder(torch.tensor([1, 0, 2, 3])).plan(2, 2) is not first  # another tensor
 
 
-def test_a_models_encoder_and_decoder_share_one_reorder_plans():
+def test_a_models_encoder_and_decoder_share_one_beam_search_state():
     model = build_tiny_model()
-    assert model.encoder.reorder_plans is model.decoder.reorder_plans
-    assert build_tiny_model().encoder.reorder_plans is not model.encoder.reorder_plans
+    assert model.encoder.beam is model.decoder.beam
+    assert build_tiny_model().encoder.beam is not model.encoder.beam
 
 
 def test_beam_search_under_inference_mode_equals_no_grad():
@@ -610,7 +610,7 @@ def test_fused_kernel_in_decoding_steps_equals_the_written_out_formula():
 
 
 def test_encoder_reorders_copy_only_when_rows_change_and_mark_only_true_copies():
-    from fairseq_plugin.modules.cache import beam_group
+    from fairseq_plugin.modules.beam import beam_group
 
     d = make_dictionary()
     model = build_tiny_model(d)

@@ -112,7 +112,7 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
             norm=nn.LayerNorm(d) if pre_ln else None,
             generator=Generator(d, len(tgt_dict), tgt_tokens.lut.weight if share_output else None),
             skip_padding=not args.no_packing, attention_backends=backends,
-            reorder_plans=encoder.reorder_plans)
+            beam=encoder.beam)
         model = cls(encoder, decoder)
         # which words the embeddings' rows stand for: a buffer, so checkpoints keep it
         model.register_buffer(FINGERPRINT, dictionary_fingerprint(src_dict, tgt_dict))
@@ -138,9 +138,8 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
 
     def set_beam_size(self, beam_size: int) -> None:
         """fairseq's SequenceGenerator calls this (only for beam > 1, and never to reset it): the
-        encoder then records when beam search repeats each sentence beam_size times, and the
-        decoder's caches keep each sentence's keys and values once (modules/cache.py)."""
-        self.encoder.beam_size = beam_size
+        beam's copies of a sentence then share their keys and values (modules/beam.py)."""
+        self.encoder.beam.size = beam_size
 
     def force_attention_kernel(self, kernel: Optional[str]) -> None:
         """Every attention of the model on one kernel, FUSED or EXPLICIT, or None: the model's

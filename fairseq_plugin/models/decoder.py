@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..modules.attention import (NO_CUDNN, IncrementalState, MultiHeadedAttention, check_backends,
                                  fused_backends)
-from ..modules.cache import Ancestry, ReorderPlans, beam_group
+from ..modules.beam import BeamSearchState
 from ..modules.compiled import CompiledLayers
 from ..modules.embeddings import EmbeddingLayer, Generator
 from ..modules.layers import DecoderLayer
@@ -48,8 +48,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
 
     def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[DecoderLayer],
                  norm: Optional[nn.LayerNorm], generator: Generator, skip_padding: bool = True,
-                 attention_backends: str = NO_CUDNN,
-                 reorder_plans: Optional[ReorderPlans] = None):
+                 attention_backends: str = NO_CUDNN, beam: Optional[BeamSearchState] = None):
         super().__init__(dictionary)
         self.padding_idx = dictionary.pad()
         self.embed = embed  # the notebook's tgt_embed: Embeddings and PositionalEncoding
@@ -66,9 +65,8 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         # transformer always does (the hub's hypotheses, --print-alignment); False: the fused
         # kernel in every attention (tests, the cache benchmark's baseline)
         self.need_attn = True
-        # beam search's reorder plans: the encoder's (make_model), which each step's reorder
-        # then hands the encoder; its own where built alone
-        self.reorder_plans = reorder_plans if reorder_plans is not None else ReorderPlans()
+        # beam search's state: the encoder's (make_model; modules/beam.py), its own built alone
+        self.beam = beam if beam is not None else BeamSearchState()
 
     def forward(
         self,
@@ -110,7 +108,8 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
             step_position = self.embed.step_position(prev_output_tokens)
             prev_output_tokens = prev_output_tokens[:, -1:]
             tgt_padding, padded, tgt_mask = None, 0, None
-            self.begin_step(incremental_state, encoder_out, prev_output_tokens.size(0))
+            self.beam.begin_step(incremental_state, encoder_out, self.attentions(),
+                                 prev_output_tokens.size(0))
             layers = self.layers  # (as they are: steps are not compiled)
 
         memory = encoder_out["encoder_out"][0]  # (B, S, d_memory)
@@ -148,46 +147,13 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         return self.embed.max_positions
 
     # -- Incremental decoding: every attention module keeps a cache in fairseq's incremental_state
-    # (modules/cache.py); the decoder starts them, adds each step to the beam's ancestry and hands
-    # them beam search's reorders. Training and full passes never come here.
+    # (modules/cache.py), which the model's beam-search state starts and reorders
+    # (modules/beam.py). Training and full passes never come here.
 
     def attentions(self) -> List[MultiHeadedAttention]:
         return [m for layer in self.layers for m in (layer.self_attn, layer.src_attn)]
 
-    def begin_step(self, incremental_state: IncrementalState,
-                   encoder_out: Dict[str, List[Tensor]], rows: int) -> None:
-        """Before each decoding step of ``rows`` hypotheses: empty caches at the first, then the
-        new step in the beam's ancestry."""
-        if self.layers[0].self_attn.cache(incremental_state) is None:
-            self.start_caches(incremental_state, beam_group(encoder_out), rows)
-        ancestry = self.get_incremental_state(incremental_state, "ancestry")
-        if ancestry is not None:
-            ancestry.add_step()
-
-    def start_caches(self, incremental_state: IncrementalState, group: int, rows: int) -> None:
-        """Empty caches for every attention module. When the encoder output holds its sentences in
-        groups of ``group`` copies (the beam), each group shares storage, and the self-attention
-        caches share one ancestry of the hypotheses (modules/cache.py)."""
-        ancestry = None
-        if group > 1:
-            weight = self.embed.embeddings.lut.weight
-            ancestry = Ancestry(rows, group, weight.dtype, weight.device)
-            self.set_incremental_state(incremental_state, "ancestry", ancestry)
-        for attention in self.attentions():
-            attention.start_cache(incremental_state, group, ancestry)
-
     def reorder_incremental_state_scripting(self, incremental_state: IncrementalState,
                                             new_order: Tensor) -> None:
-        """Beam search's reorder, once per step: worked out once (BeamReorder), then followed by
-        every cache and by the beam's ancestry while a cache reads it. (Replaces fairseq's walk
-        over every submodule.)"""
-        reorder = self.reorder_plans.reorder(new_order)
-        for attention in self.attentions():
-            attention.reorder_cache(incremental_state, reorder)
-        ancestry = self.get_incremental_state(incremental_state, "ancestry")
-        if ancestry is None:
-            return
-        read = any(layer.self_attn.cache(incremental_state).ancestry is ancestry
-                   for layer in self.layers)  # not when every cache ungrouped (attention weights)
-        if not read or not ancestry.reorder(reorder):
-            self.set_incremental_state(incremental_state, "ancestry", None)  # no groups any more
+        """Beam search's reorder, once per step (replaces fairseq's walk over every submodule)."""
+        self.beam.reorder(incremental_state, self.attentions(), new_order)

@@ -12,7 +12,7 @@ from fairseq.models import FairseqEncoder
 from torch import Tensor, nn
 
 from ..modules.attention import NO_CUDNN, check_backends, fused_backends
-from ..modules.cache import ReorderPlans, reorder_encoder_rows
+from ..modules.beam import BeamSearchState
 from ..modules.compiled import CompiledLayers
 from ..modules.embeddings import EmbeddingLayer
 from ..modules.layers import EncoderLayer
@@ -25,7 +25,7 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
 
     def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[EncoderLayer],
                  norm: Optional[nn.LayerNorm], skip_padding: bool = True,
-                 attention_backends: str = NO_CUDNN):
+                 attention_backends: str = NO_CUDNN, beam: Optional[BeamSearchState] = None):
         super().__init__(dictionary)
         self.padding_idx = dictionary.pad()
         self.embed = embed  # the notebook's src_embed: Embeddings and PositionalEncoding
@@ -37,9 +37,8 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         self.compiled: Optional[CompiledLayers] = None
         # --fused-attention-backends: where torch's fused attention may run, during the layers
         self.attention_backends = check_backends(attention_backends)
-        self.beam_size = 1  # set by fairseq's SequenceGenerator, through the model
-        # beam search's reorder plans, shared with the decoder (make_model; modules/cache.py)
-        self.reorder_plans = ReorderPlans()
+        # beam search's state, shared with the decoder (make_model; modules/beam.py)
+        self.beam = beam if beam is not None else BeamSearchState()
 
     def forward(self, src_tokens: Tensor, src_lengths: Optional[Tensor] = None,
                 return_all_hiddens: bool = False, **unused):
@@ -68,15 +67,13 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
             "src_mask": [mask] if mask is not None else [],
             "encoder_states": states,
             "src_lengths": [src_lengths] if src_lengths is not None else [],
-            "beam_group": [],  # modules/cache.py: reorder_encoder_rows
         }
 
     @torch.jit.unused
     def reorder_encoder_out(self, encoder_out: Dict[str, List[Tensor]], new_order: Tensor):
-        """Row i of the result is row new_order[i] of encoder_out; beam search's beam_size copies
-        of a sentence are not copied again at every step (modules/cache.py)."""
-        return reorder_encoder_rows(encoder_out, self.reorder_plans.reorder(new_order),
-                                    self.beam_size)
+        """Row i of the result is row new_order[i] of encoder_out; beam search's copies of a
+        sentence are not copied again at every step (modules/beam.py)."""
+        return self.beam.reorder_encoder_out(encoder_out, new_order)
 
     def max_positions(self) -> int:
         return self.embed.max_positions

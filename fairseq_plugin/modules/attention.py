@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor, nn
 
-from .cache import (Ancestry, BeamReorder, KeyValueCache, SelfAttentionCache,
-                    SourceAttentionCache)
+from .cache import KeyValueCache
 from ..torch_release import TORCH_RELEASE
 from .dropout import Dropout
 from .packing import PackedRows, pack, unpack
@@ -291,21 +290,9 @@ class MultiHeadedAttention(nn.Module):
             return None
         return self.get_incremental_state(incremental_state, "cache")
 
-    def start_cache(self, incremental_state: IncrementalState, group: int,
-                    ancestry: Optional[Ancestry] = None) -> None:
-        """An empty cache; ``group`` rows of one sentence share it (1: one row each), and a
-        self-attention cache reads their history from the decoder's ``ancestry``."""
-        if self.self_attention:
-            cache = SelfAttentionCache(group, ancestry)
-        else:
-            cache = SourceAttentionCache(group)
+    def set_cache(self, incremental_state: IncrementalState, cache: KeyValueCache) -> None:
+        """Keep ``cache`` for this decoding (beam.py starts each module's at the first step)."""
         self.set_incremental_state(incremental_state, "cache", cache)
-
-    def reorder_cache(self, incremental_state: IncrementalState, reorder: BeamReorder) -> None:
-        """Follow beam search (the decoder calls this once per step for every module)."""
-        cache = self.cache(incremental_state)
-        if cache is not None:
-            cache.reorder(reorder)
 
     def project(self, query: Union[Tensor, PackedRows], memory: Optional[Tensor],
                 cache: Optional[KeyValueCache]

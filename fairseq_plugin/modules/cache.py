@@ -32,10 +32,11 @@ their keys together ("grouped"):
   SpecInfer, Miao et al. 2023.)
 
 The g queries of a group then attend together, as one (g, S) block. A row's ancestry is the same in
-every layer: the decoder keeps one (``Ancestry``), adds each step to it and reorders it, and its
-self-attention caches share it. Whether a reorder keeps every row in its sentence's group is
+every layer: the model's beam-search state (beam.py) keeps one (``Ancestry``), adds each step to
+it and reorders it, and the self-attention caches share it. Whether a reorder keeps every row in its sentence's group is
 decided once per reorder tensor (``BeamReorder``), for every cache and for the encoder output,
-which beam search reorders with the same tensor (``ReorderPlans``, one per model); when it does not
+which beam search reorders with the same tensor (``ReorderPlans``, one per model, in beam.py's
+state); when it does not
 (a hypothesis continues another sentence's row, a batch that was never grouped), the caches fall
 back to one row per hypothesis (g = 1) and gather rows.
 
@@ -44,7 +45,7 @@ t steps cached, C capacity in steps.
 """
 
 from abc import ABC, abstractmethod
-from typing import Dict, List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -114,8 +115,8 @@ class BeamReorder:
 
 
 class ReorderPlans:
-    """The answers of beam search's latest reorder, held by one model and shared by its decoder
-    and its encoder: fairseq's SequenceGenerator hands the decoder's caches and then the encoder
+    """The answers of beam search's latest reorder, held by one model's beam-search state
+    (beam.py), which its encoder and decoder share: fairseq's SequenceGenerator hands the decoder's caches and then the encoder
     output the same tensor at each step, so the encoder's reorder reads nothing more from the
     device. ``reorder(new_order)`` gives the step's BeamReorder, with the answers already worked
     out for this very tensor, unchanged since ("unchanged" is what its version counter sees:
@@ -135,45 +136,12 @@ class ReorderPlans:
         return BeamReorder(new_order, plans)
 
 
-def beam_group(encoder_out: Dict[str, List[Tensor]]) -> int:
-    """g when the rows of encoder_out come in groups of g copies of one sentence (beam search),
-    else 1."""
-    group = encoder_out.get("beam_group")
-    return int(group[0]) if group else 1
-
-
-def reorder_encoder_rows(encoder_out: Dict[str, List[Tensor]], reorder: BeamReorder,
-                         beam_size: int) -> Dict[str, List[Tensor]]:
-    """The encoder output with row i taken from row new_order[i] (the encoder's
-    ``reorder_encoder_out``).
-
-    Beam search first repeats every sentence beam_size times, in consecutive rows: those rows
-    are copies, which ``"beam_group": [g]`` records. Its later reorders keep every hypothesis in
-    its sentence's group, so they change nothing here and copy nothing; when sentences finish,
-    their groups are dropped.
-    """
-    group = beam_group(encoder_out)
-    rows = encoder_out["encoder_out"][0].size(0) // group
-    new_order = reorder.new_order
-    kept, moves = reorder.plan(group, rows)  # (shared with the decoder's: ReorderPlans)
-    if not moves:
-        return encoder_out
-    reordered = {key: [t.index_select(0, new_order) for t in value]
-                 for key, value in encoder_out.items() if key != "beam_group"}
-    # not grouped yet, or a row left its group: grouped from now on only when this reorder
-    # makes groups of beam_size copies of one row (beam search's first reorder does)
-    if kept is None or group == 1:
-        group = beam_size if repeats_rows(new_order, beam_size) else 1
-    reordered["beam_group"] = [torch.tensor(group)] if group > 1 else []
-    return reordered
-
-
 class Ancestry:
     """Which of its group's keys each of the B rows descends from, in a grouped self-attention
     cache: an additive mask (B, C * g rounded up to a multiple of MASK_ALIGNMENT), 0 at key
     s * g + r when the row's ancestor at step s was the hypothesis in row r, -inf elsewhere. It
-    is the same in every layer: the decoder keeps one for all its self-attention caches, adds each
-    step before the layers run and reorders it with the caches. (A reorder that takes a row out
+    is the same in every layer: the beam-search state (beam.py) keeps one for all the
+    self-attention caches, adds each step before the layers run and reorders it with the caches. (A reorder that takes a row out
     of its group leaves it as it is: the caches then read it once more, to fall back to one
     history per row.)"""
 
@@ -374,7 +342,7 @@ class SelfAttentionCache(KeyValueCache):
         return k, v, self.ancestry.keys_mask(t, k.dtype)  # each of a group's g queries its own
 
     def reorder(self, reorder: BeamReorder) -> None:
-        """Within groups only the ancestry changes (the decoder reorders it, once for every layer);
+        """Within groups only the ancestry changes (beam.py reorders it, once for every layer);
         otherwise rows are gathered (lazily)."""
         if self.k is None:
             return
