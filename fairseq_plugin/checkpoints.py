@@ -234,7 +234,8 @@ def instead(path: str) -> str:
 
 
 def explain_unreadable_checkpoints(load):
-    """Wrap fairseq's ``load_checkpoint_to_cpu`` so a damaged file gives one clear line."""
+    """fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` (fairseq_changes.py): a damaged file
+    gives one clear line."""
     @functools.wraps(load)
     def load_checkpoint_to_cpu(path, *args, **kwargs):
         local_zip = isinstance(path, str) and os.path.isfile(path) and zipfile.is_zipfile(path)

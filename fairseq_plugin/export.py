@@ -39,7 +39,7 @@ import os
 import shutil
 import tempfile
 from argparse import Namespace
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf, open_dict
@@ -281,13 +281,47 @@ def _plain(value):
     return value
 
 
+class Original(NamedTuple):
+    """The annotated_transformer checkpoint, loaded: its state, its task (with the data-bin of
+    its dictionaries) and model, and the flat options fairseq's transformer is built from."""
+    state: dict
+    task: object  # fairseq's translation task
+    model: torch.nn.Module
+    args: Namespace  # the task's and the model's options in one Namespace
+    dictionaries: str  # the data-bin folder with the dict.*.txt
+
+
 def export(checkpoint: str, output: str, data: Optional[str] = None,
            ctranslate2_dir: Optional[str] = None, force: bool = False, log=print) -> float:
     """Write the fairseq transformer checkpoint (and the CTranslate2 model); returns the max
-    logit difference measured between the original and the export."""
-    from fairseq import checkpoint_utils, models, tasks
-    from fairseq import utils as fairseq_utils
+    logit difference measured between the original and the export. Nothing is written before
+    the export is known to give the same logits."""
+    from fairseq import models
 
+    check_paths(checkpoint, output, data, ctranslate2_dir, force)
+    original = load_original(checkpoint, data)
+    args = transformer_args(original.args)
+    theirs = models.build_model(copy.deepcopy(args), original.task)
+    load_into_transformer(theirs, transformer_state_dict(
+        original.state["model"], args, original.task.source_dictionary.pad(),
+        original.task.target_dictionary.pad()))
+    diff = check_same_logits(original, theirs)
+    log(f"annotated-export-fairseq: same logits as the original (max |diff| {diff:.1e})")
+    exported = exported_checkpoint(checkpoint, args, theirs)
+    if ctranslate2_dir:  # first: CTranslate2 refuses options it does not support
+        to_ctranslate2(exported, original.dictionaries, ctranslate2_dir, args)
+    save_whole(exported, output)  # never a half-written checkpoint
+    positions = "no positions" if args.no_token_positional_embeddings else "learned positions"
+    log(f"annotated-export-fairseq: wrote {output} (--arch transformer, "
+        f"{layer_norm_placement(args)}, {positions})")
+    if ctranslate2_dir:
+        log(f"annotated-export-fairseq: wrote the CTranslate2 model {ctranslate2_dir}")
+    return diff
+
+
+def check_paths(checkpoint, output, data, ctranslate2_dir, force) -> None:
+    """The checkpoint is there; the outputs may be written where they are asked for
+    (outputs.py's rules)."""
     if not os.path.isfile(checkpoint):
         raise PluginError(f"no checkpoint at {checkpoint}; give the path of a .pt file")
     check_output_file(output, force, example="transformer.pt", inputs=[checkpoint],
@@ -295,10 +329,18 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
     if ctranslate2_dir:
         check_outside("--ctranslate2", ctranslate2_dir, [data] if data else [])
         check_ctranslate2_dir(ctranslate2_dir, output, force)
+
+
+def load_original(checkpoint: str, data: Optional[str]) -> Original:
+    """The annotated_transformer checkpoint with its task, on the data-bin of its dictionaries
+    (``data``, or the one it records); one line for another architecture or a missing data-bin."""
+    from fairseq import checkpoint_utils, tasks
+    from fairseq import utils as fairseq_utils
+
     state = checkpoint_utils.load_checkpoint_to_cpu(checkpoint)  # plugin: one-line errors
     cfg = state["cfg"]
-    ours_args = resolved_model_config(cfg.model) if cfg.model is not None else None
-    if ours_args is None:
+    model_args = resolved_model_config(cfg.model) if cfg.model is not None else None
+    if model_args is None:
         arch = getattr(cfg.model, "_name", None) or getattr(cfg.model, "arch", None)
         raise PluginError(f"{checkpoint} is a '{arch}' checkpoint, not an annotated_transformer "
                           "one; only annotated_transformer checkpoints can be exported")
@@ -315,21 +357,22 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
     with open_dict(task_cfg) if OmegaConf.is_config(task_cfg) else contextlib.nullcontext():
         task_cfg.data = data
     task = tasks.setup_task(task_cfg)
-    ours_model = task.build_model(copy.deepcopy(cfg.model))
-    ours_model.load_state_dict(state["model"], strict=True)
-
+    model = task.build_model(copy.deepcopy(cfg.model))
+    model.load_state_dict(state["model"], strict=True)
     # one flat Namespace, as fairseq's legacy transformer and CTranslate2's converter read it
     task_options = (OmegaConf.to_container(task_cfg, resolve=True) if OmegaConf.is_config(task_cfg)
                     else dict(vars(task_cfg)))
     task_options["task"] = task_options.pop("_name", None) or task_options.get("task")
-    ours_args = Namespace(**{**task_options, **vars(ours_args)})
-    args = transformer_args(ours_args)
-    mapped = transformer_state_dict(state["model"], args, task.source_dictionary.pad(),
-                                    task.target_dictionary.pad())
-    theirs = models.build_model(copy.deepcopy(args), task)
-    load_into_transformer(theirs, mapped)
+    args = Namespace(**{**task_options, **vars(model_args)})
+    return Original(state, task, model, args, dictionaries)
+
+
+def check_same_logits(original: Original, theirs: torch.nn.Module) -> float:
+    """The max |logit difference| of the two models on a sample batch; one line when it is over
+    the tolerance, or when fairseq's transformer cannot run this model."""
+    task = original.task
     try:
-        diff, largest = logit_difference(ours_model, theirs, task.source_dictionary,
+        diff, largest = logit_difference(original.model, theirs, task.source_dictionary,
                                          task.target_dictionary)
     except RuntimeError as e:
         if not fairseq_post_ln_bug(e):
@@ -339,8 +382,12 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
         raise PluginError(f"cannot export: the converted model's logits differ by {diff:.2e} "
                           f"from the original's (more than {TOLERANCE:g} x the largest |logit|, "
                           f"at least 1: {allowed_difference(largest):.2e})")
-    log(f"annotated-export-fairseq: same logits as the original (max |diff| {diff:.1e})")
+    return diff
 
+
+def exported_checkpoint(checkpoint: str, args: Namespace, theirs: torch.nn.Module) -> dict:
+    """The checkpoint's own contents (read as plain containers) around the transformer's weights
+    and options: no plugin, no optimizer state, fairseq's nearest criterion."""
     raw = load_plain(checkpoint)
     raw_cfg = raw["cfg"]
     raw_cfg["model"] = vars(args)
@@ -356,7 +403,7 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
     for h in history:
         if h.get("criterion_name") == "AnnotatedLabelSmoothingCriterion":
             h["criterion_name"] = "LabelSmoothedCrossEntropyCriterion"
-    exported = {
+    return {
         "args": None,
         "cfg": _plain(raw_cfg),
         "model": theirs.state_dict(),
@@ -369,15 +416,6 @@ def export(checkpoint: str, output: str, data: Optional[str] = None,
         # no optimizer state: fine-tune an export with --reset-optimizer --reset-lr-scheduler
         "last_optimizer_state": None,
     }
-    if ctranslate2_dir:  # first: CTranslate2 refuses options it does not support
-        to_ctranslate2(exported, dictionaries, ctranslate2_dir, args)
-    save_whole(exported, output)  # never a half-written checkpoint
-    positions = "no positions" if args.no_token_positional_embeddings else "learned positions"
-    log(f"annotated-export-fairseq: wrote {output} (--arch transformer, "
-        f"{layer_norm_placement(args)}, {positions})")
-    if ctranslate2_dir:
-        log(f"annotated-export-fairseq: wrote the CTranslate2 model {ctranslate2_dir}")
-    return diff
 
 
 def to_ctranslate2(exported: dict, data: str, output_dir: str, args: Namespace):

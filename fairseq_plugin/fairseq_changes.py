@@ -9,134 +9,112 @@ benchmark's child processes ask for ``BENCHMARK_BF16`` too. ``removed(name)`` pu
 original back for a while: tests/test_fairseq_changes.py shows each change needed that way.
 
 The wrappers themselves live with their subject (checkpoints.py, data_bin.py, errors.py,
-interactive.py, launch.py, preemption.py, run_dir.py, signals.py), named here as
-``"module:function"``: this module imports only the standard library, so that the benchmark can
-load it by its path in a child process without importing the plugin (whose --user-dir fairseq
-imports itself).
+interactive.py, launch.py, preemption.py, run_dir.py, signals.py; the benchmark's in
+benchmark/bf16.py, which its child processes load by path), each named here by the function
+itself: from a wrapper to its change, and back.
 """
 
 import contextlib
 import dataclasses
-import functools
 import importlib
 import sys
+from typing import Callable
+
+from . import checkpoints, data_bin, errors, interactive, launch, preemption, run_dir, signals
+from .benchmark import bf16
 
 
 @dataclasses.dataclass(frozen=True)
 class Change:
-    """``module.attribute = wrapper(module.attribute)``; ``wrapper`` is "plugin_module:function"
-    (a module of this package) or a function of this file. Without an attribute (torch's
+    """``module.attribute = wrapper(module.attribute)``. Without an attribute (torch's
     allowlist, which has no attribute to replace), ``wrapper()`` makes the change and returns
     the function that undoes it."""
 
     name: str
     module: str
     attribute: str  # may be dotted: "Trainer.save_checkpoint"
-    wrapper: str
+    wrapper: Callable
     why: str
 
 
 CHANGES = (
     Change("restricted_unpickler_reads_fairseq_checkpoints", "torch.serialization", "",
-           "checkpoints:allow_fairseq_checkpoint_globals",
+           checkpoints.allow_fairseq_checkpoint_globals,
            "torch >= 2.6 loads with weights_only=True and refuses the argparse.Namespace of "
            "fairseq 0.12 checkpoints (fairseq #5610, #5603; fixed on fairseq's main only)"),
     Change("damaged_checkpoint_in_one_line", "fairseq.checkpoint_utils", "load_checkpoint_to_cpu",
-           "checkpoints:explain_unreadable_checkpoints",
+           checkpoints.explain_unreadable_checkpoints,
            "fairseq 0.12 answers a truncated or damaged checkpoint with a zip reader's "
            "traceback; also allows the numpy arrays of --eval-bleu's saved counts"),
     Change("ranks_receive_the_loaded_checkpoint", "fairseq.distributed.utils",
-           "_broadcast_object_slow", "checkpoints:broadcast_reads_fairseq_state",
+           "_broadcast_object_slow", checkpoints.broadcast_reads_fairseq_state,
            "on torch >= 2.6 the other ranks refuse the DictConfig in the checkpoint state rank 0 "
            "loads and broadcasts: resuming with several ranks fails (fairseq 0.12, fairseq-fixed)"),
     Change("checkpoint_copies_whole", "fairseq.checkpoint_utils", "PathManager",
-           "checkpoints:whole_copies",
+           checkpoints.whole_copies,
            "fairseq 0.12's save_checkpoint copies the first file to checkpoint_last.pt and "
            "checkpoint_best.pt in place: a kill during the copy tears them"),
     Change("saves_fail_whole_on_a_full_disk", "fairseq.checkpoint_utils", "save_checkpoint",
-           "checkpoints:saves_fail_whole",
+           checkpoints.saves_fail_whole,
            "fairseq 0.12 answers a disk that fills during a save with tracebacks, leaves the "
            "half-written CHECKPOINT.pt.tmp, and may have replaced checkpoint_best.pt already"),
     Change("one_try_on_a_full_disk", "fairseq.checkpoint_utils", "_torch_persistent_save",
-           "checkpoints:one_try_on_a_full_disk",
+           checkpoints.one_try_on_a_full_disk,
            "fairseq 0.12 retries torch.save three times into the same half-written file on a "
            "full disk, logging a traceback each time"),
     Change("resume_from_newest_whole_checkpoint", "fairseq.checkpoint_utils", "load_checkpoint",
-           "preemption:resume_from_newest_whole",
+           preemption.resume_from_newest_whole,
            "fairseq 0.12 stops on a damaged checkpoint_last.pt instead of resuming from the "
            "newest whole checkpoint, trains from scratch when an explicit --restore-file is "
            "missing, and forgets --patience's counter (fairseq #3531)"),
     Change("patience_saved_with_checkpoints", "fairseq.trainer", "Trainer.save_checkpoint",
-           "preemption:save_patience_too",
+           preemption.save_patience_too,
            "fairseq 0.12 keeps --patience's counter in a function attribute that no checkpoint "
            "holds (fairseq #3531)"),
     Change("save_and_exit_on_signal", "fairseq_cli.train", "validate_and_save",
-           "preemption:save_when_signalled",
+           preemption.save_when_signalled,
            "fairseq 0.12 has no signal handler: SIGTERM or SIGUSR1 from a scheduler loses every "
            "update since the last save"),
     Change("launchers_environment_on_cpu", "fairseq.distributed.utils", "call_main",
-           "launch:world_from_launcher",
+           launch.world_from_launcher,
            "fairseq 0.12 on CPUs under torchrun or srun trains each rank alone (world size 1), "
            "divides by torch.cuda.device_count(), or asks for NCCL (fairseq #4302, #4164)"),
-    Change("one_line_errors", "sys", "excepthook", "errors:print_plugin_errors_as_one_line",
+    Change("one_line_errors", "sys", "excepthook", errors.print_plugin_errors_as_one_line,
            "fairseq's commands answer a user's mistake (a missing file, a bad option) with a "
            "traceback"),
-    Change("stop_signals_in_one_line", "signal", "", "signals:stop_signals_in_one_line",
+    Change("stop_signals_in_one_line", "signal", "", signals.stop_signals_in_one_line,
            "fairseq's commands end at Ctrl-C with a KeyboardInterrupt traceback and at SIGTERM "
            "without a word"),
     Change("unknown_options_in_one_line", "fairseq_cli.train", "add_defaults",
-           "errors:unknown_options_in_one_line",
+           errors.unknown_options_in_one_line,
            "fairseq 0.12 answers a misspelled model option or model name with an omegaconf "
            "ConfigKeyError or KeyError traceback"),
     Change("interactive_skips_bad_lines", "fairseq_cli.interactive", "make_batches",
-           "interactive:checked_make_batches",
+           interactive.checked_make_batches,
            "fairseq-interactive 0.12 ends the session at an over-long line ('Size of sample #0 "
            "is invalid'), translates an empty one, and stdin's undecodable bytes as <unk>"),
     Change("one_run_per_save_dir", "fairseq.checkpoint_utils", "verify_checkpoint_directory",
-           "run_dir:locked_save_dir",
+           run_dir.locked_save_dir,
            "fairseq 0.12 has no lock on a --save-dir: a second fairseq-train into it runs to the "
            "end, the two runs overwriting each other's checkpoints"),
     Change("damaged_data_bin_in_one_line", "fairseq.data.indexed_dataset", "make_dataset",
-           "data_bin:checked_make_dataset",
+           data_bin.checked_make_dataset,
            "fairseq 0.12 trusts a split's .idx: a .bin cut short stops training when a batch "
            "reaches it, with numpy's 'offset must be non-negative' and no file named"),
     Change("max_tokens_below_a_sentence_in_one_line", "fairseq.data.data_utils", "batch_by_size",
-           "errors:max_tokens_checked",
+           errors.max_tokens_checked,
            "fairseq 0.12 answers --max-tokens below its longest sentence with an AssertionError "
            "traceback that names neither the sentence nor the fix"),
 )
 
 
-def _parse_without_tpu(parse):
-    @functools.wraps(parse)
-    def parse_args_and_arch(*args, **kwargs):
-        parsed = parse(*args, **kwargs)
-        parsed.tpu = False
-        return parsed
-    return parse_args_and_arch
-
-
-MODELS_IN_BF16 = "fairseq_changes: the models in torch.bfloat16"
-
-
-def _load_in_bf16(load):
-    @functools.wraps(load)
-    def load_model_ensemble(*args, **kwargs):
-        import torch  # (this file imports the standard library only)
-
-        models, cfg = load(*args, **kwargs)
-        print(MODELS_IN_BF16, flush=True)
-        return [m.to(torch.bfloat16) for m in models], cfg
-    return load_model_ensemble
-
-
 # for the benchmark's child processes only: fairseq 0.12's fairseq-train and fairseq-generate in
 # bf16 (its trainer trains in bf16 under fairseq-hydra-train, which leaves --tpu off)
 BENCHMARK_BF16 = (
-    Change("bf16_without_tpu", "fairseq.options", "parse_args_and_arch", "_parse_without_tpu",
+    Change("bf16_without_tpu", "fairseq.options", "parse_args_and_arch", bf16.parse_without_tpu,
            "fairseq 0.12's --bf16 also switches on --tpu, and fairseq-train then looks for a "
            "TPU"),
-    Change("generate_in_bf16", "fairseq.checkpoint_utils", "load_model_ensemble", "_load_in_bf16",
+    Change("generate_in_bf16", "fairseq.checkpoint_utils", "load_model_ensemble", bf16.load_in_bf16,
            "fairseq-generate 0.12 has no bf16 (only --fp16's model.half()): the models are "
            "turned to bf16 as they load, which it prints"),
 )
@@ -153,21 +131,14 @@ def _owner_and_attribute(change: Change):
     return owner, attribute
 
 
-def _wrapper(change: Change):
-    if ":" not in change.wrapper:
-        return globals()[change.wrapper]
-    module, function = change.wrapper.split(":")
-    return getattr(importlib.import_module(f"{__package__}.{module}"), function)
-
-
 def _make(change: Change):
     """Make the change; return (undo, redo)."""
     if not change.attribute:
-        undo = _wrapper(change)()
-        return undo, lambda: _wrapper(change)()
+        undo = change.wrapper()
+        return undo, change.wrapper
     owner, attribute = _owner_and_attribute(change)
     before = getattr(owner, attribute)
-    after = _wrapper(change)(before)
+    after = change.wrapper(before)
     setattr(owner, attribute, after)
     return (lambda: setattr(owner, attribute, before)), (lambda: setattr(owner, attribute, after))
 

@@ -25,8 +25,7 @@ CHILD = """
 import json, resource, sys
 from fairseq_plugin.cli import prepare
 raw, dest, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
-prepare.prepare(raw, dest, "de", "en", {"train": "train", "valid": "valid", "test": "test"},
-                8000, workers=workers)
+prepare.prepare(prepare.Preparation(raw, dest, "de", "en", bpe_merges=8000, workers=workers))
 print("PEAKS " + json.dumps([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                              resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))
 """

@@ -27,7 +27,7 @@ def grouping_key(lang):
     one key."""
     from sacremoses import MosesPunctNormalizer
 
-    from fairseq_plugin.cli.prepare import moses_tokenizer
+    from fairseq_plugin.cli.streaming import moses_tokenizer
 
     normalise, tokenise = MosesPunctNormalizer(lang=lang).normalize, moses_tokenizer(lang)
     return lambda sentence: tokenise(normalise(sentence))

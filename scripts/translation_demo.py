@@ -78,9 +78,9 @@ def main(argv=None):
     start = time.time()
 
     print(f"[1/3] preparing the bundled Tatoeba sample ({BPE_MERGES} joint BPE merges)", flush=True)
-    prepare_translation.prepare(
+    prepare_translation.prepare(prepare_translation.Preparation(
         os.path.join(REPO, "examples", "tatoeba", "data"), data_bin, "de", "en",
-        {"train": "train", "valid": "valid", "test": "test"}, bpe_merges=BPE_MERGES, force=True)
+        bpe_merges=BPE_MERGES, force=True))
 
     print(f"[2/3] fairseq-train, {args.epochs} epochs", flush=True)
     if os.path.isdir(ckpt):  # fairseq-train would resume an earlier run's checkpoint_last.pt

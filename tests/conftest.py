@@ -16,6 +16,7 @@ import fairseq
 import fairseq_plugin
 from fairseq.data import Dictionary
 from fairseq_plugin.cli import prepare as prepare_translation
+from fairseq_plugin.cli.prepare import Preparation
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.torch_release import TORCH_RELEASE
 from fairseq.models import MODEL_REGISTRY
@@ -142,6 +143,24 @@ def random_tokens(dictionary, batch, length, generator=None):
     return torch.randint(dictionary.nspecial, len(dictionary), (batch, length), generator=generator)
 
 
+def padded_batch(src_dict, src_lengths, tgt_lengths, tgt_dict=None, generator=None):
+    """A batch as fairseq's LanguagePairDataset makes it, of sentences of the given lengths (each
+    ending in eos): sources left-padded; targets right-padded, and prev_output_tokens (eos, then
+    the target shifted right) too. Returns (src, src_lengths, prev_output_tokens, target)."""
+    tgt_dict = tgt_dict or src_dict
+    B, S, T = len(src_lengths), max(src_lengths), max(tgt_lengths)
+    src = torch.full((B, S), src_dict.pad())
+    tgt, prev = torch.full((B, T), tgt_dict.pad()), torch.full((B, T), tgt_dict.pad())
+    for i, (s, t) in enumerate(zip(src_lengths, tgt_lengths)):
+        src[i, S - s:-1] = random_tokens(src_dict, 1, s - 1, generator)[0]
+        src[i, -1] = src_dict.eos()
+        tgt[i, :t - 1] = random_tokens(tgt_dict, 1, t - 1, generator)[0]
+        tgt[i, t - 1] = tgt_dict.eos()
+        prev[i, 0] = tgt_dict.eos()
+        prev[i, 1:t] = tgt[i, :t - 1]
+    return src, torch.tensor(src_lengths), prev, tgt
+
+
 def _cli_command_and_env(name, args, env):
     """The CLI ``name`` of this venv (or on PATH) with ``args``; the environment without
     TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD."""
@@ -211,6 +230,14 @@ def _seed():
     torch.manual_seed(0)
 
 
+def exit_code(main, *args, **kwargs):
+    """What ``main(*args, **kwargs)`` exits with: SystemExit's code (an exit status, or the
+    one-line message a command ends with); the test fails if it returns instead."""
+    with pytest.raises(SystemExit) as stop:
+        main(*args, **kwargs)
+    return stop.value.code
+
+
 def reverse_data_bin(work, *reverse_args, joined=True, splits=("train", "valid", "test"),
                      preprocess=()):
     """Generate the reverse task under work/raw and binarise it into work/bin (``preprocess``:
@@ -219,6 +246,16 @@ def reverse_data_bin(work, *reverse_args, joined=True, splits=("train", "valid",
     reverse_task.main([str(work / "raw"), *map(str, reverse_args)])
     return preprocess_reverse(work / "raw", work / "bin", joined=joined, splits=splits,
                               preprocess=preprocess)
+
+
+@pytest.fixture(scope="module")
+def data_bin(request, tmp_path_factory):
+    """The reverse task binarised for a test module, sized by its DATA_BIN ({"train": 1000,
+    "valid": 50} ...: the splits and their pairs)."""
+    sizes = request.module.DATA_BIN
+    work = tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_"))
+    return reverse_data_bin(work, *[x for split, n in sizes.items() for x in (f"--{split}", n)],
+                            splits=tuple(sizes))
 
 
 def preprocess_reverse(raw, dest, joined=True, splits=("train", "valid", "test"), preprocess=()):
@@ -289,9 +326,8 @@ def prepared(tmp_path_factory):
     write_slice(w / "raw", byte_order_mark=("train.de", "test.en"))
     shown = io.StringIO()  # not a terminal: progress comes as lines
     with contextlib.redirect_stderr(shown):
-        settings = prepare_translation.prepare(str(w / "raw"), str(w / "bin"), "de", "en",
-                                               {"train": "train", "valid": "valid",
-                                                "test": "test"}, bpe_merges=500)
+        settings = prepare_translation.prepare(Preparation(str(w / "raw"), str(w / "bin"), "de",
+                                                           "en", bpe_merges=500))
     (w / "prepare.stderr").write_text(shown.getvalue())
     return w, settings
 

@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from conftest import FAIRSEQ_BREAKS_POST_LN, preprocess_reverse, reverse_data_bin, running_with
+from conftest import (FAIRSEQ_BREAKS_POST_LN, exit_code, preprocess_reverse, reverse_data_bin,
+                      running_with)
 
 from fairseq_plugin.benchmark import child, common, data, main, memory, report, runs, steps
 from fairseq_plugin.benchmark.child import Device
@@ -322,9 +323,8 @@ def test_bad_benchmark_options_are_one_error_line_before_any_work(args, message,
     from fairseq_plugin.benchmark.main import main
 
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(SystemExit) as stop:
-        main([a.format(tmp=tmp_path) for a in args])
-    assert stop.value.code == 2
+    stop = exit_code(main, [a.format(tmp=tmp_path) for a in args])
+    assert stop == 2
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == "annotated-benchmark: error: " + message.format(tmp=tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["a_file"]

@@ -12,7 +12,7 @@ from fairseq.data import Dictionary
 from fairseq_plugin import checkpoints
 from fairseq_plugin.cli import reverse_task
 from conftest import (PLUGIN_DIR, REPO, REVERSE_EPOCHS, REVERSE_SEED, assert_one_line_error, cli,
-                      preprocess_reverse)
+                      exit_code, preprocess_reverse)
 
 
 def test_training_logs_noam_rate_and_label_smoothed_loss(reverse_run):
@@ -613,16 +613,14 @@ def test_fairseq_clis_are_found_next_to_python_or_else_on_path(tmp_path, monkeyp
     (["--vocab", "0"], "--vocab must be between 1 and"),
     (["--min-len", "5", "--max-len", "4"], "need 1 <= --min-len <= --max-len")])
 def test_the_reverse_data_generator_refuses_sizes_it_cannot_write(args, message, tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        reverse_task.main([str(tmp_path / "raw"), *args])
+    exit_code(reverse_task.main, [str(tmp_path / "raw"), *args])
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "raw").exists()
 
 
 def test_the_reverse_data_generator_refuses_a_file_as_its_directory(tmp_path, capsys):
     (tmp_path / "raw").write_text("mine")
-    with pytest.raises(SystemExit):
-        reverse_task.main([str(tmp_path / "raw")])
+    exit_code(reverse_task.main, [str(tmp_path / "raw")])
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         f"error: {tmp_path}/raw is a file; give a directory for the data")
     assert (tmp_path / "raw").read_text() == "mine"

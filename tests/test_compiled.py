@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fairseq_plugin.modules import layers
-from conftest import REPO, build_tiny_model, cli, make_dictionary, random_tokens
+from conftest import REPO, build_tiny_model, cli, make_dictionary, padded_batch, random_tokens
 
 TATOEBA = os.path.join(REPO, "examples", "tatoeba", "data")
 # what an epoch of fairseq's batches may recompile, per layer forward (EncoderLayer,
@@ -19,15 +19,8 @@ TATOEBA = os.path.join(REPO, "examples", "tatoeba", "data")
 RECOMPILE_BOUND = {"EncoderLayer": 4, "DecoderLayer": 5}
 
 
-def padded_batch(d, rows=6, src_len=9, tgt_len=7):
-    """A batch as fairseq's LanguagePairDataset makes it: sources left-padded, targets and
-    prev_output_tokens right-padded; a third of the rows shorter."""
-    src, tgt = random_tokens(d, rows, src_len), random_tokens(d, rows, tgt_len)
-    src[: rows // 3, :4] = d.pad()
-    tgt[rows // 2:, tgt_len - 3:] = d.pad()
-    prev = torch.cat([torch.full((rows, 1), d.eos()), tgt[:, :-1]], dim=1)
-    prev[rows // 2:, tgt_len - 2:] = d.pad()
-    return src, prev, tgt
+# a third of the sources and half the targets shorter
+SRC_LENGTHS, TGT_LENGTHS = (5, 5, 9, 9, 9, 9), (7, 7, 7, 4, 4, 4)
 
 
 def loss_and_gradients(model, src, prev, tgt, pad):
@@ -59,7 +52,7 @@ def test_compiled_layers_give_the_eager_loss_and_every_gradient(post_norm, packi
     compiled = build_tiny_model(d, compile_layers=True, **flags).train()
     compiled.load_state_dict(eager.state_dict())
     assert eager.encoder.compiled is None and len(compiled.encoder.compiled) == 2
-    src, prev, tgt = padded_batch(d)
+    src, _, prev, tgt = padded_batch(d, SRC_LENGTHS, TGT_LENGTHS)
     expected_loss, expected = loss_and_gradients(eager, src, prev, tgt, d.pad())
     loss, grads = loss_and_gradients(compiled, src, prev, tgt, d.pad())
     assert counters["stats"]["unique_graphs"] >= 2  # an encoder and a decoder layer's graphs

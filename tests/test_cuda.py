@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import (REPO, REVERSE_SEED, BackgroundCli, build_tiny_model, cli, make_dictionary,
-                      random_tokens, reverse_data_bin, sharpen)
+                      padded_batch, random_tokens, reverse_data_bin, sharpen)
 from fairseq_plugin.benchmark import child, memory
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.modules import dropout
@@ -123,12 +123,12 @@ def test_compiled_layers_give_the_eager_loss_and_gradients_on_cuda(dtype):
     (relative; the gradients as one vector). bf16: the fused kernels round elsewhere than eager
     bf16, so both are held against the fp32 model: the compiled one's loss and gradients no
     farther from it than the eager one's (x 1.5). The differences are printed (-rP)."""
-    from test_compiled import loss_and_gradients, padded_batch
+    from test_compiled import SRC_LENGTHS, TGT_LENGTHS, loss_and_gradients
 
     torch._dynamo.reset()
     d = make_dictionary(40)
     reference = build_tiny_model(d, dropout=0.0).to(DEVICE).train()  # fp32, eager
-    src, prev, tgt = (t.to(DEVICE) for t in padded_batch(d))
+    src, _, prev, tgt = (t.to(DEVICE) for t in padded_batch(d, SRC_LENGTHS, TGT_LENGTHS))
     expected_loss, expected = loss_and_gradients(reference, src, prev, tgt, d.pad())
 
     def distance(model):

@@ -6,7 +6,7 @@ import statistics
 import pytest
 import sacrebleu
 
-from conftest import cli
+from conftest import cli, exit_code
 from fairseq_plugin.cli import deployment
 from fairseq_plugin.cli import evaluate as evaluate_bleu
 
@@ -77,13 +77,11 @@ def test_the_runs_alternate_and_each_cell_is_the_median_of_its_rounds_and_each_s
 
 def test_bad_options_are_one_line_before_any_work(tmp_path, capsys):
     """In this process (the command's start-up paid once): its exit and its last line."""
-    with pytest.raises(SystemExit) as stop:
-        deployment.main([str(tmp_path), str(tmp_path / "missing.pt")])
-    assert stop.value.code == f"annotated-benchmark-deployment: error: {tmp_path} has no " \
+    stop = exit_code(deployment.main, [str(tmp_path), str(tmp_path / "missing.pt")])
+    assert stop == f"annotated-benchmark-deployment: error: {tmp_path} has no " \
         "prepare.json: give a data-bin made by annotated-prepare (it records the languages, " \
         "BPE codes and raw text)"
-    with pytest.raises(SystemExit) as stop:
-        deployment.main([str(tmp_path), "x.pt", "--threads", "0"])
-    assert stop.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(
+    stop = exit_code(deployment.main, [str(tmp_path), "x.pt", "--threads", "0"])
+    assert stop == 2 and capsys.readouterr().err.splitlines()[-1].endswith(
         "argument --threads: '0': give whole numbers of at least 1, separated by commas, e.g. 1,2")
     assert list(tmp_path.iterdir()) == []

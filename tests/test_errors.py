@@ -12,7 +12,7 @@ from fairseq import checkpoint_utils
 
 from fairseq_plugin.errors import TRACEBACK_VARIABLE, PluginError, one_line_error, spelling_hint
 from fairseq_plugin.torch_release import TORCH_RELEASE, release
-from conftest import build_tiny_model, make_dictionary
+from conftest import build_tiny_model, exit_code, make_dictionary
 
 RAISE = ("import fairseq_plugin\n"
          "def load():\n"
@@ -69,9 +69,8 @@ def test_the_plugins_own_commands_show_the_traceback_on_request(command, tmp_pat
             "annotated-attention-heatmaps": [tmp_path, tmp_path / "a.pt", "Hallo"]}[command]
     args = [str(a) for a in args]
     monkeypatch.delenv(TRACEBACK_VARIABLE, raising=False)
-    with pytest.raises(SystemExit) as stopped:
-        main(args)
-    line = str(stopped.value.code)
+    stopped = exit_code(main, args)
+    line = str(stopped)
     assert line.startswith(f"{command}: error: ") and "\n" not in line, line
     monkeypatch.setenv(TRACEBACK_VARIABLE, "1")
     with pytest.raises(PrepareError if command == "annotated-prepare" else PluginError):
@@ -155,8 +154,7 @@ def test_the_wheelhouse_script_refuses_to_mix_new_wheels_with_earlier_ones(tmp_p
     earlier = tmp_path / "sacrebleu-2.0.0-py3-none-any.whl"
     earlier.write_text("an earlier build")
     main = runpy.run_path(os.path.join(REPO, "scripts", "make_wheelhouse.py"))["main"]
-    with pytest.raises(SystemExit):
-        main([str(tmp_path)])
+    exit_code(main, [str(tmp_path)])
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         f"error: {tmp_path} already holds 1 wheels; pass --force to replace them, or give a new "
         f"DEST")
@@ -213,9 +211,8 @@ def test_no_command_writes_its_output_inside_the_data_bin_it_reads(target, tmp_p
             export.main, [checkpoint, "--output", str(tmp_path / "t.pt"), "--data", str(db),
                           "--ctranslate2", given, "--force"], "--ctranslate2")
     for command, (main, args, option) in runs.items():
-        with pytest.raises(SystemExit) as refused:
-            main(args)
-        assert str(refused.value.code) == (
+        refused = exit_code(main, args)
+        assert str(refused) == (
             f"{command.split()[0]}: error: {option} {given} is inside {db}, which this command "
             "reads; give a path outside it (its files are kept)")
         assert {path: path.read_text() for path in files} == {

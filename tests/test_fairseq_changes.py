@@ -70,6 +70,15 @@ def test_every_change_has_a_reason_and_a_test_that_exists():
     assert len(fairseq_changes.describe().splitlines()) == len(changes)
 
 
+def test_every_change_names_its_wrapper_and_every_wrapper_names_its_change():
+    """From a change to its wrapper by object, and back: the wrapper's docstring names
+    fairseq_changes.py (a rename is an import error, not a failure at run time)."""
+    for change in fairseq_changes.CHANGES + fairseq_changes.BENCHMARK_BF16:
+        assert callable(change.wrapper), change.name
+        assert change.wrapper.__module__.startswith("fairseq_plugin."), change.name
+        assert "fairseq_changes.py" in (change.wrapper.__doc__ or ""), change.wrapper.__name__
+
+
 @pytest.mark.skipif(not checkpoints.HAS_ALLOWLIST,
                     reason="torch < 2.4 loads without weights_only by default: nothing to allow")
 def test_torch_loads_a_fairseq_namespace_only_with_the_allowlist(tmp_path):

@@ -13,14 +13,11 @@ from types import SimpleNamespace
 import pytest
 from fairseq import checkpoint_utils
 
-from conftest import PLUGIN_DIR, assert_one_line_error, cli, reverse_data_bin
+from conftest import PLUGIN_DIR, assert_one_line_error, cli
 from fairseq_plugin import PluginError, checkpoints, fairseq_changes
 
 
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    return reverse_data_bin(tmp_path_factory.mktemp("full_disk"), "--train", 200, "--valid", 20,
-                            splits=("train", "valid"))
+DATA_BIN = {"train": 200, "valid": 20}  # the reverse task's pairs (conftest: data_bin)
 
 
 def train(data_bin, save_dir, epochs):

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import REPO, cli, reverse_data_bin
+from conftest import REPO, cli
 from fairseq_plugin.cli import reverse_task
 from fairseq_plugin.reference import rate as noam_rate
 
@@ -20,10 +20,7 @@ EPOCHS = 2
 JSON_EVERY_UPDATE = ["common.log_format=json", "common.log_interval=1"]
 
 
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    return reverse_data_bin(tmp_path_factory.mktemp("hydra"), "--train", 2000, "--valid", 100,
-                            "--test", 20)
+DATA_BIN = {"train": 2000, "valid": 100, "test": 20}  # the reverse task's pairs (conftest: data_bin)
 
 
 def hydra_train(data_bin, work, *overrides, recipe="reverse", config_dir=RECIPES, check=True):

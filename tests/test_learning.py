@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from conftest import exit_code
 from fairseq_plugin.cli import learning, reverse_task
 
 
@@ -74,9 +75,9 @@ def test_a_run_tables_what_fairseq_logged_for_each_model(tmp_path, capsys, monke
         assert (f"| sort | {r['arch']} | 1 | {r['exact_match']:.3f} ± 0.000 | "
                 f"{r['valid_nll']:.3f} ± 0.000 | {r['train_seconds']:.0f} ± 0 |") in out, out
     # a second run into the same folder is refused (one line), not mixed with the first
-    with pytest.raises(SystemExit) as refused:
-        learning.main(["--work-dir", str(work), "--tasks", "sort", "--seeds", "1", "--epochs",
+    refused = exit_code(learning.main,
+                        ["--work-dir", str(work), "--tasks", "sort", "--seeds", "1", "--epochs",
                        "1", "--train-size", "300"])
-    assert str(refused.value.code) == (
+    assert str(refused) == (
         f"annotated-benchmark-learning: error: {work}/sort/annotated_transformer-seed1 exists (an "
         f"earlier run's); give a new --work-dir or delete it")

@@ -3,26 +3,19 @@
 import pytest
 import torch
 
-from conftest import CPU_HALF_DTYPES, build_tiny_model, make_dictionary, random_tokens
+from conftest import CPU_HALF_DTYPES, build_tiny_model, make_dictionary, padded_batch
 from fairseq_plugin.criterions.annotated_label_smoothing import annotated_label_smoothing_loss
 
 
-def padded_batch(d):
-    src = random_tokens(d, 4, 9)
-    src[1, :5] = d.pad()  # left padding
-    src[3, :] = d.pad()  # a sentence that is all padding but its end-of-sentence token
-    src[3, -1] = d.eos()
-    tgt = random_tokens(d, 4, 7)
-    tgt[2, 4:] = d.pad()
-    prev = torch.cat([torch.full((4, 1), d.eos()), tgt[:, :-1]], 1)
-    return src, src.ne(d.pad()).sum(1), prev, tgt
+# left-padded sources, one of them all padding but its end-of-sentence token; a shorter target
+SRC_LENGTHS, TGT_LENGTHS = (9, 4, 9, 1), (7, 7, 4, 7)
 
 
 @pytest.mark.parametrize("dtype", CPU_HALF_DTYPES)
 def test_half_precision_model_gives_finite_outputs_close_to_fp32(dtype):
     d = make_dictionary(50)
     model = build_tiny_model(d)
-    src, lengths, prev, tgt = padded_batch(d)
+    src, lengths, prev, tgt = padded_batch(d, SRC_LENGTHS, TGT_LENGTHS)
     with torch.no_grad():
         ref = model.get_normalized_probs(model(src, lengths, prev), log_probs=True)
         model = model.to(dtype)
@@ -42,7 +35,7 @@ def test_half_precision_model_gives_finite_outputs_close_to_fp32(dtype):
 def test_half_precision_incremental_decoding_matches_its_full_pass(dtype):
     d = make_dictionary(50)
     model = build_tiny_model(d).to(dtype)
-    src, lengths, prev, _ = padded_batch(d)
+    src, lengths, prev, _ = padded_batch(d, SRC_LENGTHS, TGT_LENGTHS)
     with torch.no_grad():
         encoder_out = model.encoder(src, lengths)
         full = model.decoder(prev, encoder_out=encoder_out)[0]

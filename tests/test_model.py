@@ -10,7 +10,7 @@ import torch
 import fairseq_plugin
 from fairseq_plugin import reference
 from fairseq_plugin.modules.embeddings import SinusoidalPositionalEncoding
-from conftest import build_tiny_model, make_dictionary, random_tokens
+from conftest import build_tiny_model, exit_code, make_dictionary, random_tokens
 from fairseq_plugin.criterions.annotated_label_smoothing import AnnotatedLabelSmoothingCriterion
 from fairseq_plugin.errors import PluginError
 from fairseq_plugin.torch_release import TORCH_RELEASE
@@ -273,8 +273,7 @@ def test_fused_attention_backends_reach_every_attention_from_the_flag_and_from_o
         args = tiny_training_args(tmp_path, d, *extra)
         model = tasks.setup_task(args).build_model(args)
         assert backends(model) == [expected] * 2
-    with pytest.raises(SystemExit):
-        tiny_training_args(tmp_path, d, "--fused-attention-backends", "cudnn")
+    exit_code(tiny_training_args, tmp_path, d, "--fused-attention-backends", "cudnn")
 
     for extra, expected in (({}, NO_CUDNN), ({"fused_attention_backends": TORCH_CHOICE},
                                              TORCH_CHOICE)):

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from conftest import PLUGIN_DIR, cli, reverse_data_bin
+from conftest import PLUGIN_DIR, cli
 from test_distributed import free_port, torchrun_node
 from fairseq_plugin import PluginError, checkpoints, fairseq_changes, preemption
 
@@ -30,10 +30,7 @@ ENV = {k: v for k, v in os.environ.items() if k != "TORCH_FORCE_NO_WEIGHTS_ONLY_
 ENV.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    return reverse_data_bin(tmp_path_factory.mktemp("preempt"), "--train", 1000, "--valid", 50,
-                            splits=("train", "valid"))
+DATA_BIN = {"train": 1000, "valid": 50}  # the reverse task's pairs (conftest: data_bin)
 
 
 def command(data_bin, save_dir, *extra):

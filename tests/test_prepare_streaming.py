@@ -10,6 +10,7 @@ import pytest
 
 from conftest import PLUGIN_DIR, cli, running_with
 from fairseq_plugin.cli import prepare, streaming
+from fairseq_plugin.cli.prepare import Preparation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED = os.path.join(REPO, "examples", "tatoeba", "data")
@@ -51,8 +52,8 @@ def test_the_same_bytes_for_one_and_two_workers_and_small_chunks(tmp_path, monke
     monkeypatch.setattr(streaming, "CHUNK_LINES", 300)  # several chunks in flight
     raw = raw_corpus(tmp_path / "raw", 1500)
     for workers in (1, 2):
-        prepare.prepare(raw, str(tmp_path / f"w{workers}"), "de", "en", SPLITS, 500,
-                        workers=workers)
+        prepare.prepare(Preparation(raw, str(tmp_path / f"w{workers}"), "de", "en", SPLITS, 500,
+                        workers=workers))
     one, two = tree(tmp_path / "w1"), tree(tmp_path / "w2")
     assert sorted(one) == sorted(two) and "train.de-en.de.bin" in one
     assert [name for name in one if one[name] != two[name]] == []
@@ -67,16 +68,16 @@ def stages_peak(raw, dest, langs=("de", "en")):
     found = streaming.scan(paths)
     os.makedirs(dest)
     outs = [os.path.join(dest, f"tok.{lang}") for lang in langs]
-    with streaming.pool(1) as workers:
+    split = streaming.Split("train", paths, found.kept, drop_empty=True)
+    with streaming.workers(1) as workers:
         tracemalloc.start()
         try:
-            counts = streaming.tokenise(paths, outs, langs, found.kept, True, workers, 2,
-                                        "tokenise", count_lines=found.kept)
+            counts = streaming.tokenise(split, outs, langs, workers, count_lines=found.kept)
             peak = tracemalloc.get_traced_memory()[1]
             codes = streaming.learn_bpe(counts, 300, "learn BPE")
             tracemalloc.reset_peak()
             for out in outs:
-                streaming.apply_bpe(codes, out, out + ".bpe", found.kept, workers, 2, "BPE")
+                streaming.apply_bpe(codes, out, out + ".bpe", found.kept, workers, "BPE")
             return max(peak, tracemalloc.get_traced_memory()[1])
         finally:
             tracemalloc.stop()
@@ -101,9 +102,9 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch):
 def test_bpe_from_a_sample_is_bpe_learnt_from_those_lines(tmp_path):
     raw = raw_corpus(tmp_path / "raw", 1000)
     first = raw_corpus(tmp_path / "first", 300)
-    sampled = prepare.prepare(raw, str(tmp_path / "sampled"), "de", "en", SPLITS, 400,
-                              workers=1, bpe_sample_lines=300)
-    prepare.prepare(first, str(tmp_path / "alone"), "de", "en", SPLITS, 400, workers=1)
+    sampled = prepare.prepare(Preparation(raw, str(tmp_path / "sampled"), "de", "en", SPLITS, 400,
+                              workers=1, bpe_sample_lines=300))
+    prepare.prepare(Preparation(first, str(tmp_path / "alone"), "de", "en", SPLITS, 400, workers=1))
     assert sampled["bpe_sample_lines"] == 300 and sampled["splits"]["train"] == 1000
     assert (tmp_path / "sampled" / "bpe.codes").read_text() == \
         (tmp_path / "alone" / "bpe.codes").read_text()
@@ -112,7 +113,8 @@ def test_bpe_from_a_sample_is_bpe_learnt_from_those_lines(tmp_path):
 def test_shards_share_one_dictionary_and_train_one_shard_an_epoch(tmp_path):
     raw = raw_corpus(tmp_path / "raw", 600)
     dest = tmp_path / "bin"
-    settings = prepare.prepare(raw, str(dest), "de", "en", SPLITS, 300, workers=2, shards=2)
+    settings = prepare.prepare(Preparation(
+        raw, str(dest), "de", "en", SPLITS, 300, workers=2, shards=2))
     assert settings["data"] == f"{dest / 'shard0'}:{dest / 'shard1'}"
     dictionary = (dest / "dict.de.txt").read_bytes()
     for shard in ("shard0", "shard1"):
@@ -140,8 +142,8 @@ def test_an_interrupted_preparation_is_named_on_the_rerun(tmp_path):
     with pytest.raises(prepare.PrepareError, match=r"holds an unfinished preparation \(it was "
                                                    r"interrupted\); pass --force to prepare it "
                                                    r"again, or choose another --dest"):
-        prepare.prepare(raw, str(dest), "de", "en", SPLITS, 300, workers=1)
-    prepare.prepare(raw, str(dest), "de", "en", SPLITS, 300, workers=1, force=True)
+        prepare.prepare(Preparation(raw, str(dest), "de", "en", SPLITS, 300, workers=1))
+    prepare.prepare(Preparation(raw, str(dest), "de", "en", SPLITS, 300, workers=1, force=True))
     assert (dest / "prepare.json").exists()
 
 
@@ -151,7 +153,7 @@ def test_a_plain_and_a_gzipped_copy_of_one_side_are_refused_as_ambiguous(tmp_pat
         f.write("anders\n")
     with pytest.raises(prepare.PrepareError, match=r"both .*train.de and .*train.de.gz are "
                                                    r"there: which is the corpus\? Move one away"):
-        prepare.prepare(raw, str(tmp_path / "bin"), "de", "en", SPLITS, 300, workers=1)
+        prepare.prepare(Preparation(raw, str(tmp_path / "bin"), "de", "en", SPLITS, 300, workers=1))
 
 
 @pytest.mark.main_lane  # (the plugin's own code, whatever fairseq's version)

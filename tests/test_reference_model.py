@@ -12,24 +12,16 @@ from fairseq_plugin.errors import PluginError
 from fairseq_plugin.reference_weights import (load_plain_weights, plain_model,
                                               plain_model_from_checkpoint, plain_name_of,
                                               right_padded)
-from conftest import build_tiny_model, make_dictionary, random_tokens
+from conftest import build_tiny_model, make_dictionary, padded_batch
 
 TOLERANCE = 1e-5  # fp32
 PRE_REDESIGN = os.path.join(os.path.dirname(__file__), "data", "pre_redesign")
 
 
-def padded_batch(src_dict, tgt_dict, src_lengths=(7, 4, 6), tgt_lengths=(5, 6, 3), seed=0):
-    """A fairseq batch: sources left-padded, targets (prev_output_tokens: eos first) right-padded."""
+def fairseq_batch(src_dict, tgt_dict, seed=0):
+    """Three sentences, padded as fairseq pads them (conftest.padded_batch): src, lengths, prev."""
     g = torch.Generator().manual_seed(seed)
-    B, S, T = len(src_lengths), max(src_lengths), max(tgt_lengths)
-    src = torch.full((B, S), src_dict.pad())
-    prev = torch.full((B, T), tgt_dict.pad())
-    for i, (s, t) in enumerate(zip(src_lengths, tgt_lengths)):
-        src[i, S - s:] = random_tokens(src_dict, 1, s, g)[0]
-        src[i, -1] = src_dict.eos()
-        prev[i, 0] = tgt_dict.eos()
-        prev[i, 1:t] = random_tokens(tgt_dict, 1, t - 1, g)[0]
-    return src, torch.tensor(src_lengths), prev
+    return padded_batch(src_dict, (7, 4, 6), (5, 6, 3), tgt_dict, g)[:3]
 
 
 def fairseq_log_probs(model, src, lengths, prev):
@@ -48,7 +40,7 @@ def plain_log_probs(plain, src, prev, src_pad, tgt_pad):
 
 
 def max_difference_at_real_targets(model, plain, src_dict, tgt_dict):
-    src, lengths, prev = padded_batch(src_dict, tgt_dict)
+    src, lengths, prev = fairseq_batch(src_dict, tgt_dict)
     expected = plain_log_probs(plain, src, prev, src_dict.pad(), tgt_dict.pad())
     got = fairseq_log_probs(model, src, lengths, prev)
     real = prev.ne(tgt_dict.pad())
@@ -117,7 +109,7 @@ def test_make_models_weights_in_the_fairseq_model_give_the_same_log_probs_and_gr
     load_plain_weights(model, plain)
     assert max_difference_at_real_targets(model, plain, src_dict, tgt_dict) < TOLERANCE
 
-    src, lengths, _ = padded_batch(src_dict, tgt_dict)
+    src, lengths, _ = fairseq_batch(src_dict, tgt_dict)
     expected = greedy_plain(plain, src, src_dict.pad(), tgt_dict.eos(), 6)
     assert torch.equal(greedy_fairseq(model, src, lengths, 6), expected)
     assert len(set(map(tuple, expected.tolist()))) > 1  # not one answer for every source
@@ -136,7 +128,7 @@ def test_a_checkpoint_loads_into_the_plain_model():
     plain = plain_model_from_checkpoint(path, overrides)
     src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
     assert max_difference_at_real_targets(model, plain, src_dict, tgt_dict) < TOLERANCE
-    src, lengths, _ = padded_batch(src_dict, tgt_dict, seed=1)
+    src, lengths, _ = fairseq_batch(src_dict, tgt_dict, seed=1)
     assert torch.equal(greedy_fairseq(model, src, lengths, 5),
                        greedy_plain(plain, src, src_dict.pad(), tgt_dict.eos(), 5))
 

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import PLUGIN_DIR, reverse_data_bin
+from conftest import PLUGIN_DIR
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "64",
@@ -32,10 +32,7 @@ SCHEDULES = {
 }
 
 
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    return reverse_data_bin(tmp_path_factory.mktemp("resume"), "--train", 800, "--valid", 100,
-                            splits=("train", "valid"))
+DATA_BIN = {"train": 800, "valid": 100}  # the reverse task's pairs (conftest: data_bin)
 
 
 def train(data_bin, arch, schedule, save_dir, epochs, first_parameters=None):

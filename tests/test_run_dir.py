@@ -13,14 +13,11 @@ import time
 import pytest
 from fairseq import checkpoint_utils
 
-from conftest import PLUGIN_DIR, BackgroundCli, assert_one_line_error, cli, reverse_data_bin
+from conftest import PLUGIN_DIR, BackgroundCli, assert_one_line_error, cli
 from fairseq_plugin import PluginError, fairseq_changes, run_dir
 
 
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    return reverse_data_bin(tmp_path_factory.mktemp("run_dir"), "--train", 1000, "--valid", 50,
-                            "--test", 20)
+DATA_BIN = {"train": 1000, "valid": 50, "test": 20}  # the reverse task's pairs (conftest: data_bin)
 
 
 def train_args(data_bin, save_dir, *extra):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, exit_code
 
 
 def load_script(name):
@@ -101,7 +101,6 @@ def test_attention_new_shapes_times_each_backend_choice_at_shapes_none_other_use
 def test_bad_attention_new_shapes_options_are_one_error_line(args, message, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU machine
     monkeypatch.setattr(sys, "argv", ["attention_new_shapes.py"])  # argparse's program name
-    with pytest.raises(SystemExit) as stop:
-        load_script("attention_new_shapes").main(args)
-    assert stop.value.code == 2
+    stop = exit_code(load_script("attention_new_shapes").main, args)
+    assert stop == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"attention_new_shapes.py: error: {message}"

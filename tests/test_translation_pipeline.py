@@ -14,10 +14,12 @@ import sys
 import pytest
 import torch
 
-from conftest import BUNDLED, REPO, assert_one_line_error, cli, write_slice
+from conftest import BUNDLED, REPO, assert_one_line_error, cli, exit_code, write_slice
 from fairseq_plugin.cli import average_checkpoints, heatmaps
 from fairseq_plugin.cli import evaluate as evaluate_bleu
+from fairseq_plugin.cli import corpora, streaming
 from fairseq_plugin.cli import prepare as prepare_translation
+from fairseq_plugin.cli.prepare import Preparation
 from fairseq_plugin.errors import PluginError
 
 def read_lines(path):
@@ -112,14 +114,14 @@ def test_a_named_corpus_is_downloaded_gunzipped_and_prepared_under_its_split_nam
             gz.write_bytes(gzip.compress((web / f"{published}.{lang}").read_bytes()))
             urls[f"{split}.{lang}"] = gz.as_uri()
     offline = {**urls, "train.de": (web / "gone.de.gz").as_uri()}
-    monkeypatch.setitem(prepare_translation.CORPORA["multi30k"], "download", offline)
-    with pytest.raises(SystemExit) as refused:
-        prepare_translation.main(["--corpus", "multi30k", "--dest", str(tmp_path / "bin")])
-    last = str(refused.value.code)
+    monkeypatch.setitem(corpora.CORPORA["multi30k"], "download", offline)
+    refused = exit_code(prepare_translation.main,
+                        ["--corpus", "multi30k", "--dest", str(tmp_path / "bin")])
+    last = str(refused)
     assert "\n" not in last
     assert last.startswith(f"annotated-prepare: error: cannot download {offline['train.de']} (")
     assert last.endswith("on a machine without internet access, pass the raw files with --raw-dir")
-    monkeypatch.setitem(prepare_translation.CORPORA["multi30k"], "download", urls)
+    monkeypatch.setitem(corpora.CORPORA["multi30k"], "download", urls)
     prepare_translation.main(["--corpus", "multi30k", "--dest", str(tmp_path / "bin") + "/",
                               "--bpe-merges", "100"])  # DEST/: its raw text still in DEST.raw
     for lang in ("de", "en"):
@@ -168,12 +170,14 @@ def test_prepare_refuses_missing_and_empty_input_and_a_non_empty_destination(tmp
     write_slice(tmp_path / "raw", n_train=50, n_eval=5)
     os.remove(tmp_path / "raw" / "test.en")
     with pytest.raises(prepare_translation.PrepareError, match="missing file .*test.en"):
-        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "a"), "de", "en", splits)
+        prepare_translation.prepare(Preparation(
+            str(tmp_path / "raw"), str(tmp_path / "a"), "de", "en", splits))
     assert not (tmp_path / "a").exists()  # refused before anything is written
     for lang in ("de", "en"):
         open(tmp_path / "raw" / f"test.{lang}", "w").close()
     with pytest.raises(prepare_translation.PrepareError, match="are empty"):
-        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "b"), "de", "en", splits)
+        prepare_translation.prepare(Preparation(
+            str(tmp_path / "raw"), str(tmp_path / "b"), "de", "en", splits))
     assert not (tmp_path / "b").exists()
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "keep.txt").write_text("mine")
@@ -181,23 +185,27 @@ def test_prepare_refuses_missing_and_empty_input_and_a_non_empty_destination(tmp
         with pytest.raises(prepare_translation.PrepareError,
                            match="is not empty and holds no earlier preparation .*not even with "
                                  "--force; choose another --dest"):
-            prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "c"), "de", "en",
-                                        splits, force=force)
+            prepare_translation.prepare(Preparation(
+                str(tmp_path / "raw"), str(tmp_path / "c"), "de", "en",
+                splits, force=force))
     assert (tmp_path / "c" / "keep.txt").read_text() == "mine"
     (tmp_path / "c" / "prepare.json").write_text("{}")  # an earlier preparation
     with pytest.raises(prepare_translation.PrepareError,
                        match="holds an earlier preparation; pass --force to replace it"):
-        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "c"), "de", "en", splits)
+        prepare_translation.prepare(Preparation(
+            str(tmp_path / "raw"), str(tmp_path / "c"), "de", "en", splits))
     # --force replaces it only once the input is good: here test.* are still empty
     with pytest.raises(prepare_translation.PrepareError, match="are empty"):
-        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "c"), "de", "en", splits,
-                                    force=True)
+        prepare_translation.prepare(Preparation(
+            str(tmp_path / "raw"), str(tmp_path / "c"), "de", "en", splits,
+            force=True))
     assert (tmp_path / "c" / "keep.txt").read_text() == "mine"
     os.symlink(tmp_path / "c", tmp_path / "link")
     with pytest.raises(prepare_translation.PrepareError,
                        match="--dest .*link is a symbolic link; give the directory it points to"):
-        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "link"), "de", "en",
-                                    splits, force=True)
+        prepare_translation.prepare(Preparation(
+            str(tmp_path / "raw"), str(tmp_path / "link"), "de", "en",
+            splits, force=True))
 
 
 def test_prepare_force_replaces_only_what_the_earlier_preparation_wrote(tmp_path):
@@ -212,8 +220,8 @@ def test_prepare_force_replaces_only_what_the_earlier_preparation_wrote(tmp_path
                  "train.fr-en.en.pt1.idx",  # a fairseq-preprocess worker's part, left unmerged
                  "text/train.fr", "notes.txt", "mymodels/checkpoint_best.pt"):
         (dest / name).write_text("earlier")
-    prepare_translation.prepare(str(tmp_path / "raw"), str(dest), "de", "en", splits,
-                                bpe_merges=50, force=True)
+    prepare_translation.prepare(Preparation(str(tmp_path / "raw"), str(dest), "de", "en", splits,
+                                bpe_merges=50, force=True))
     assert sorted(os.listdir(dest)) == sorted([
         ".annotated-prepare", "prepare.json", "bpe.codes", "text", "raw", "preprocess.log",
         "prepare.log",
@@ -234,10 +242,12 @@ def test_prepare_refuses_text_that_is_not_utf8_and_too_few_merges(tmp_path):
     with pytest.raises(prepare_translation.PrepareError,
                        match=r"valid.de is not UTF-8 text \(byte 0xfc at line 2, byte 10\); "
                              r"convert it, e.g. iconv -f latin1"):
-        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "a"), "de", "en", splits)
+        prepare_translation.prepare(Preparation(
+            str(tmp_path / "raw"), str(tmp_path / "a"), "de", "en", splits))
     with pytest.raises(prepare_translation.PrepareError, match="--bpe-merges 0: give a number"):
-        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "b"), "de", "en", splits,
-                                    bpe_merges=0)
+        prepare_translation.prepare(Preparation(
+            str(tmp_path / "raw"), str(tmp_path / "b"), "de", "en", splits,
+            bpe_merges=0))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
@@ -248,13 +258,15 @@ def test_prepare_refuses_a_file_as_destination_a_destination_holding_the_raw_tex
     (tmp_path / "file").write_text("mine")
     with pytest.raises(prepare_translation.PrepareError, match="--dest .*file is a file; give a "
                                                                "directory"):
-        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "file"), "de", "en",
-                                    splits)
+        prepare_translation.prepare(Preparation(
+            str(tmp_path / "raw"), str(tmp_path / "file"), "de", "en",
+            splits))
     for dest in (tmp_path / "raw", tmp_path):  # --force would delete the raw text
         with pytest.raises(prepare_translation.PrepareError,
                            match="--raw-dir .* is inside --dest .*, which the preparation replaces"):
-            prepare_translation.prepare(str(tmp_path / "raw"), str(dest), "de", "en", splits,
-                                        force=True)
+            prepare_translation.prepare(Preparation(
+                str(tmp_path / "raw"), str(dest), "de", "en", splits,
+                force=True))
     assert len(read_lines(tmp_path / "raw" / "train.de")) == 50
     # two sentences share no pair of symbols twice: subword-nmt learns no merge
     for split in splits:
@@ -263,8 +275,9 @@ def test_prepare_refuses_a_file_as_destination_a_destination_holding_the_raw_tex
     with pytest.raises(prepare_translation.PrepareError,
                        match="no pair of symbols occurs twice in train.de \\+ train.en, so BPE "
                              "learnt no merge: give more text"):
-        prepare_translation.prepare(str(tmp_path / "raw"), str(tmp_path / "new"), "de", "en",
-                                    splits)
+        prepare_translation.prepare(Preparation(
+            str(tmp_path / "raw"), str(tmp_path / "new"), "de", "en",
+            splits))
     assert not (tmp_path / "new").exists()
 
 
@@ -310,11 +323,15 @@ def test_short_run_generates_and_scores_with_sacrebleu(trained):
     # (a barely trained model scores near 0 whatever the order: the hypotheses scored are the
     # D- lines in the test set's order, as --output writes them)
     assert output.read_text(encoding="utf-8").splitlines() == hyps
-    # the length penalty is chosen on the validation set, and reaches fairseq-generate
+    # the length penalty is chosen on the validation set, and reaches fairseq-generate, as do
+    # the length limits (fairseq's --max-len-a, --max-len-b)
     proc = cli("annotated-evaluate-bleu", w / "bin", ckpt / "checkpoint_last.pt", "--examples", "0",
-               "--subset", "valid", "--lenpen", "1.5")
+               "--subset", "valid", "--lenpen", "1.5", "--max-len-b", "3")
     assert "(valid, beam 5, lenpen 1.5, " in proc.stdout
-    assert "'lenpen': 1.5" in (ckpt / "generate-valid.log").read_text()
+    log = (ckpt / "generate-valid.log").read_text()
+    assert "'lenpen': 1.5" in log and "'max_len_b': 3" in log
+    assert max(len(line.split("\t", 2)[2].split()) for line in
+               (ckpt / "generate-valid.txt").read_text().splitlines() if line.startswith("H-")) <= 3
 
 
 @pytest.mark.main_lane  # the plugin's own checks of its input, before fairseq runs
@@ -405,10 +422,10 @@ def test_averaging_reads_eval_bleu_metrics_and_keeps_the_state_of_the_input_trai
 
 def test_averaging_refuses_a_directory_as_output_before_averaging(trained, tmp_path):
     _, ckpt = trained
-    with pytest.raises(SystemExit) as exited:
-        average_checkpoints.main(["--inputs", str(ckpt / "checkpoint1.pt"), "--output",
+    exited = exit_code(average_checkpoints.main,
+                       ["--inputs", str(ckpt / "checkpoint1.pt"), "--output",
                                   str(tmp_path), "--force"])
-    assert str(exited.value) == (
+    assert str(exited) == (
         f"annotated-average-checkpoints: error: --output {tmp_path} is a directory; give a file "
         f"name, e.g. {tmp_path}/checkpoint_avg.pt")
     assert os.listdir(tmp_path) == []
@@ -449,10 +466,10 @@ def test_averaging_refuses_to_overwrite_and_to_average_too_few(trained, tmp_path
     # --force replaces an earlier output, never one of the inputs (the last epoch, say)
     before = (ckpt / "checkpoint2.pt").read_bytes()
     for force in (["--force"], []):
-        with pytest.raises(SystemExit) as exited:
-            average_checkpoints.main(["--inputs", str(ckpt), "--num-epoch-checkpoints", "2",
+        exited = exit_code(average_checkpoints.main,
+                           ["--inputs", str(ckpt), "--num-epoch-checkpoints", "2",
                                       "--output", str(ckpt / "checkpoint2.pt"), *force])
-        assert str(exited.value) == (
+        assert str(exited) == (
             f"annotated-average-checkpoints: error: --output {ckpt / 'checkpoint2.pt'} is one of "
             f"this command's inputs; give another path (inputs are kept)")
     assert (ckpt / "checkpoint2.pt").read_bytes() == before
@@ -473,8 +490,8 @@ def test_averaging_refuses_to_overwrite_and_to_average_too_few(trained, tmp_path
     (["--inputs", "{tmp}", "--num-update-checkpoints", "-2"],
      "--num-update-checkpoints -2: average at least 1 checkpoint")])
 def test_averaging_explains_a_directory_or_count_it_cannot_use(args, message, tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        average_checkpoints.main([a.format(tmp=tmp_path) for a in args]
+    exit_code(average_checkpoints.main,
+              [a.format(tmp=tmp_path) for a in args]
                                  + ["--output", str(tmp_path / "avg.pt")])
     assert message.format(tmp=tmp_path) in capsys.readouterr().err.strip().splitlines()[-1]
 
@@ -510,11 +527,11 @@ def test_iwslt14_files_become_train_valid_test(tmp_path):
                  f"<title>Titel {lang}</title>", f"<description>TED: {word}</description>"]
         lines += [f"{word} {i} ." for i in range(50)]
         (d / f"train.tags.de-en.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-        for name in prepare_translation.IWSLT_TEST_SETS:
+        for name in corpora.IWSLT_TEST_SETS:
             (d / f"{name}.de-en.{lang}.xml").write_text(
                 f'<refset><doc docid="1">\n<seg id="1"> {name} {word} eins </seg>\n'
                 f'<seg id="2">{name} {word} zwei</seg>\n</doc></refset>\n', encoding="utf-8")
-    raw = prepare_translation.iwslt14_to_raw(str(d), str(tmp_path / "raw"))
+    raw = corpora.iwslt14_to_raw(str(d), str(tmp_path / "raw"))
     read = lambda name: open(os.path.join(raw, name), encoding="utf-8").read().splitlines()  # noqa: E731
     train, valid, test = read("train.en"), read("valid.en"), read("test.en")
     assert len(train) + len(valid) == 52 and len(valid) == 2  # every 23rd line
@@ -526,7 +543,7 @@ def test_iwslt14_files_become_train_valid_test(tmp_path):
     with pytest.raises(prepare_translation.PrepareError,
                        match="missing .*/IWSLT14.TED.tst2012.de-en.en.xml: --raw-dir for iwslt14 is "
                              "the extracted de-en/ folder"):
-        prepare_translation.iwslt14_to_raw(str(d), str(tmp_path / "raw2"))
+        corpora.iwslt14_to_raw(str(d), str(tmp_path / "raw2"))
 
 
 def test_attention_heatmaps_are_pngs_of_rows_summing_to_one(prepared, trained, tmp_path):
@@ -580,10 +597,10 @@ def test_heatmaps_refuse_a_missing_checkpoint_an_empty_sentence_and_absent_layer
     with the line it exits with)"""
     w, _ = prepared
     _, ckpt = trained
-    with pytest.raises(SystemExit) as refused:
-        heatmaps.main([str(w / "bin"), str(ckpt / checkpoint), sentence,
+    refused = exit_code(heatmaps.main,
+                        [str(w / "bin"), str(ckpt / checkpoint), sentence,
                        "--out-dir", str(tmp_path / "maps"), *extra])
-    line = str(refused.value.code)
+    line = str(refused)
     assert line.startswith("annotated-attention-heatmaps: error: " + message.format(ckpt=ckpt))
     assert "\n" not in line
     assert not (tmp_path / "maps").exists()
@@ -615,10 +632,10 @@ def test_heatmaps_refuse_a_file_as_output_directory_before_translating(prepared,
     _, ckpt = trained
     (tmp_path / "maps").write_text("mine")
     monkeypatch.setattr(heatmaps, "load_hub", None)  # not reached
-    with pytest.raises(SystemExit) as exited:
-        heatmaps.main([str(w / "bin"), str(ckpt / "checkpoint_last.pt"), "Hallo.",
+    exited = exit_code(heatmaps.main,
+                       [str(w / "bin"), str(ckpt / "checkpoint_last.pt"), "Hallo.",
                        "--out-dir", str(tmp_path / "maps")])
-    assert str(exited.value) == (f"annotated-attention-heatmaps: error: --out-dir "
+    assert str(exited) == (f"annotated-attention-heatmaps: error: --out-dir "
                                  f"{tmp_path}/maps is a file; give a directory for the heat-maps")
     assert (tmp_path / "maps").read_text() == "mine"
 
@@ -696,8 +713,7 @@ def test_the_reverse_demo_refuses_a_work_dir_it_did_not_make_and_bad_sizes(tmp_p
         main(["--work-dir", str(tmp_path)])
     assert os.listdir(tmp_path) == ["notes.txt"]
     for flag in ("--epochs", "--train-size"):
-        with pytest.raises(SystemExit):
-            main(["--work-dir", str(tmp_path / "new"), flag, "0"])
+        exit_code(main, ["--work-dir", str(tmp_path / "new"), flag, "0"])
     assert not (tmp_path / "new").exists()
 
 
@@ -737,9 +753,9 @@ def test_prepare_keeps_pairs_aligned_across_carriage_returns_and_leaves_out_empt
     en[4] = en[4] + "\r"  # a CRLF line among LF ones
     (raw / "train.de").write_bytes("\n".join(de + [""]).encode("utf-8"))
     (raw / "train.en").write_bytes("\n".join(en + [""]).encode("utf-8"))
-    settings = prepare_translation.prepare(str(raw), str(tmp_path / "bin"), "de", "en",
+    settings = prepare_translation.prepare(Preparation(str(raw), str(tmp_path / "bin"), "de", "en",
                                            {"train": "train", "valid": "valid", "test": "test"},
-                                           bpe_merges=100)
+                                           bpe_merges=100))
     assert "train: left out 1 pairs with an empty side (lines 4)" in capsys.readouterr().err
     assert settings["splits"]["train"] == 199 and settings["train_pairs_left_out_empty"] == 1
     tokenised = {lang: read_lines(tmp_path / "bin" / "text" / f"train.{lang}")
@@ -747,8 +763,8 @@ def test_prepare_keeps_pairs_aligned_across_carriage_returns_and_leaves_out_empt
     assert len(tokenised["de"]) == len(tokenised["en"]) == 199
     # the pair after the left-out one is still a pair: the same as tokenised on its own
     bpe_de = tokenised["de"][3].replace("@@ ", "")
-    assert bpe_de == prepare_translation.moses_tokenizer("de")(" ".join(de[4].split()))
-    assert tokenised["de"][1].replace("@@ ", "") == prepare_translation.moses_tokenizer("de")(
+    assert bpe_de == streaming.moses_tokenizer("de")(" ".join(de[4].split()))
+    assert tokenised["de"][1].replace("@@ ", "") == streaming.moses_tokenizer("de")(
         " ".join(de[1].split()))
 
 
@@ -775,11 +791,12 @@ def test_prepare_refuses_bad_languages_workers_and_unreadable_files_before_writi
     arguments = {"source_lang": "de", "target_lang": "en", "workers": 2}
     arguments.update((k, v) for k, v in change.items() if k in arguments)
     with pytest.raises(prepare_translation.PrepareError) as refused:
-        prepare_translation.prepare(str(raw), str(tmp_path / "bin"), arguments["source_lang"],
-                                    arguments["target_lang"],
-                                    {"train": "train", "valid": "valid", "test": "test"},
-                                    workers=arguments["workers"])
-    assert str(refused.value) == message.format(raw=raw)
+        prepare_translation.prepare(Preparation(
+            str(raw), str(tmp_path / "bin"), arguments["source_lang"],
+            arguments["target_lang"],
+            {"train": "train", "valid": "valid", "test": "test"},
+            workers=arguments["workers"]))
+    assert str(refused) == message.format(raw=raw)
     assert not (tmp_path / "bin").exists()
 
 
@@ -794,7 +811,7 @@ def test_iwslt14_from_an_archive_overwrites_no_folder_of_the_users(tmp_path):
     for lang in ("de", "en"):
         (source / f"train.tags.de-en.{lang}").write_text(
             "".join(f"{lang} Satz {i} .\n" for i in range(60)), encoding="utf-8")
-        for name in prepare_translation.IWSLT_TEST_SETS:
+        for name in corpora.IWSLT_TEST_SETS:
             (source / f"{name}.de-en.{lang}.xml").write_text(
                 f'<seg id="1">{lang} {name} eins</seg>\n', encoding="utf-8")
     archive = tmp_path / "de-en.tgz"
@@ -805,10 +822,10 @@ def test_iwslt14_from_an_archive_overwrites_no_folder_of_the_users(tmp_path):
     (mine / "train.tags.de-en.de").write_text("MY EDITED COPY\n")
     (tmp_path / "bin.raw").mkdir()
     (tmp_path / "bin.raw" / "train.de").write_text("mine too\n")
-    with pytest.raises(SystemExit) as refused:
-        prepare_translation.main(["--corpus", "iwslt14", "--raw-dir", str(archive),
+    refused = exit_code(prepare_translation.main,
+                        ["--corpus", "iwslt14", "--raw-dir", str(archive),
                                   "--dest", str(tmp_path / "bin"), "--bpe-merges", "20"])
-    assert str(refused.value.code) == (
+    assert str(refused) == (
         f"annotated-prepare: error: {tmp_path}/bin.raw exists and was not made by "
         f"annotated-prepare, which writes the converted text there; move it, or choose another "
         f"--dest")

@@ -721,7 +721,9 @@ checkpoint = f"{tatoeba}/checkpoints/checkpoint_best.pt"
 for beam in (1, 5):
     print(f"--- {'greedy (beam 1)' if beam == 1 else f'beam {beam}'}")
     print(run("annotated-evaluate-bleu", f"{tatoeba}/bin", checkpoint, "--beam", beam,
-              "--examples", 3 if beam == 5 else 0))
+              "--examples", 3 if beam == 5 else 0,
+              # (the test's 60-update model would write 200 tokens a sentence: 30 at most)
+              *(["--max-len-b", "30"] if SMOKE_TEST else [])))
 
 # %% [markdown]
 # What the incremental cache saves: at step t the decoder needs the keys and values of the t

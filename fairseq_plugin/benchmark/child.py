@@ -22,7 +22,6 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 FINISHED = "benchmark child: the command finished with exit status 0"
 PRINTED = "cuda peak MB"  # the GPU's peak line at exit: then MiB, then when it came
-BF16_MODELS = "fairseq_changes: the models in torch.bfloat16"  # what fairseq_changes prints
 
 
 def child_import(name: str, folder: str = HERE) -> str:
@@ -108,8 +107,7 @@ def switch_on(cuda=None) -> PeakCounter:
 
 # the set-ups of a child, for every contestant alike
 CUDA_PEAK = child_import("child") + "child.switch_on(); "
-IN_BF16 = (child_import("fairseq_changes", os.path.dirname(HERE))  # fairseq_changes.BENCHMARK_BF16
-           + "fairseq_changes.install([c.name for c in fairseq_changes.BENCHMARK_BF16]); ")
+IN_BF16 = child_import("bf16") + "bf16.install(); "  # bf16.py: fairseq_changes.BENCHMARK_BF16
 
 
 class Device:

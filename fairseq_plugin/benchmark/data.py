@@ -45,11 +45,10 @@ def tatoeba_sample():
 
 def prepare_tatoeba(work):
     """The bundled Tatoeba sample, prepared as scripts/translation_demo.py prepares it."""
-    from fairseq_plugin.cli.prepare import prepare
+    from fairseq_plugin.cli.prepare import Preparation, prepare
 
     dest = os.path.join(work, "tatoeba-bin")
-    splits = {"train": "train", "valid": "valid", "test": "test"}
-    prepare(tatoeba_sample(), dest, "de", "en", splits, bpe_merges=6000, force=True)
+    prepare(Preparation(tatoeba_sample(), dest, "de", "en", bpe_merges=6000, force=True))
     return dest
 
 

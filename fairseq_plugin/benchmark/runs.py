@@ -10,7 +10,8 @@ import time
 
 from fairseq_plugin.cli.common import fairseq_cli
 
-from .child import BF16_MODELS, Device, run_measured
+from .bf16 import MODELS_IN_BF16
+from .child import Device, run_measured
 from .common import training_flags
 
 
@@ -48,7 +49,7 @@ def generate_run(data_bin, checkpoint, length, max_tokens, user_dir, sentences, 
         "--path", checkpoint, "--beam", "5", "--min-len", length, "--max-len-a", "0",
         "--max-len-b", length, "--max-tokens", max_tokens, "--required-batch-size-multiple", "1",
         *device.flags()], device)
-    if device.precision == "bf16" and BF16_MODELS not in out:
+    if device.precision == "bf16" and MODELS_IN_BF16 not in out:
         raise SystemExit("benchmark: error: fairseq-generate did not decode in bf16")
     for line in out.splitlines():
         if "Translated" in line and "tokens/s" in line:

@@ -89,19 +89,23 @@ def ctranslate2_translator(model_dir, compute_type, threads, beam, lenpen):
     return translate
 
 
-def decode(engine, batches, threads, beam, lenpen, checkpoint, data_bin, ct2_dir, output):
+def decode(job: dict):
     """One run, in a child process: load the engine, translate the first batch untimed, then all
-    batches timed; writes {"seconds", "hypotheses", "memory_mb"} to ``output``."""
+    batches timed; writes {"seconds", "hypotheses", "memory_mb"} to ``job["output"]``. ``job``
+    (run_child's): engine, batches, threads, beam, lenpen, checkpoint, data_bin, ct2_dir."""
     before = resident_mb("VmRSS")
+    engine, batches, threads = job["engine"], job["batches"], job["threads"]
     if engine == "fairseq":
-        translate = fairseq_translator(checkpoint, data_bin, threads, beam, lenpen)
+        translate = fairseq_translator(job["checkpoint"], job["data_bin"], threads, job["beam"],
+                                       job["lenpen"])
     else:
-        translate = ctranslate2_translator(ct2_dir, COMPUTE_TYPES[engine], threads, beam, lenpen)
+        translate = ctranslate2_translator(job["ct2_dir"], COMPUTE_TYPES[engine], threads,
+                                           job["beam"], job["lenpen"])
     translate(batches[0])  # warm-up
     start = time.perf_counter()
     hypotheses = [h for batch in batches for h in translate(batch)]
     seconds = time.perf_counter() - start
-    with open(output, "w") as f:
+    with open(job["output"], "w") as f:
         json.dump({"seconds": seconds, "hypotheses": hypotheses,
                    "memory_mb": resident_mb("VmHWM") - before}, f)
 
@@ -115,7 +119,7 @@ def run_child(work, engine, threads, **kwargs):
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONPATH": path}
     code = ("import json, sys; from fairseq_plugin.cli.deployment import decode; "
-            "decode(**json.loads(sys.argv[1]))")
+            "decode(json.loads(sys.argv[1]))")
     proc = subprocess.run(
         [sys.executable, "-c", code, json.dumps({"engine": engine, "threads": threads,
                                                  "output": output, **kwargs})],

@@ -81,6 +81,9 @@ def main(argv=None):
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--lenpen", type=float, default=1.0,
                    help="fairseq-generate's length penalty (> 1 favours longer output)")
+    p.add_argument("--max-len-a", type=float, default=0,
+                   help="fairseq-generate's: hypotheses of at most a * source length + b tokens")
+    p.add_argument("--max-len-b", type=int, default=200, help="(fairseq-generate's)")
     p.add_argument("--subset", choices=("test", "valid"), default="test")
     p.add_argument("--examples", type=int, default=5)
     p.add_argument("--output", help="write the detokenised hypotheses here")
@@ -90,7 +93,9 @@ def main(argv=None):
                           inputs=[args.checkpoint], folders=[args.data_bin])
     hyps, settings = generate_detokenised(args.data_bin, args.checkpoint, args.beam,
                                           subset=args.subset,
-                                          extra=["--lenpen", str(args.lenpen)],
+                                          extra=["--lenpen", str(args.lenpen),
+                                                 "--max-len-a", str(args.max_len_a),
+                                                 "--max-len-b", str(args.max_len_b)],
                                           echo=functools.partial(print, file=sys.stderr))
     scores, triples = score(args.data_bin, hyps, settings, args.subset)
     if args.output:

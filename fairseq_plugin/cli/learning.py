@@ -23,7 +23,7 @@ import re
 import shlex
 import statistics
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 from . import reverse_task
 from .common import fairseq_cli, plugin_dir, run
@@ -115,21 +115,32 @@ def prepare_task(task: str, work_dir: str, train_size: int, quiet) -> str:
     return data_bin
 
 
-def one_run(task: str, arch: str, seed: int, data_bin: str, work_dir: str, epochs: int,
-            extra: Sequence[str], quiet) -> dict:
-    out = os.path.join(work_dir, task, f"{arch}-seed{seed}")
+class Runs(NamedTuple):
+    """What every run shares: where runs go, how long they train, the flags added to each
+    training command, and where their commands' output is echoed."""
+    work_dir: str
+    epochs: int
+    extra: Sequence[str]
+    echo: Callable
+
+
+def one_run(task: str, arch: str, seed: int, data_bin: str, runs: Runs) -> dict:
+    """One training and decoding of ``arch`` on ``task`` with ``seed``, in a folder of its own;
+    its figures."""
+    out = os.path.join(runs.work_dir, task, f"{arch}-seed{seed}")
     if os.path.exists(out):
         raise PluginError(f"{out} exists (an earlier run's); give a new --work-dir or delete it")
     os.makedirs(out)
     log = os.path.join(out, "train.log")
-    command = train_command(arch, data_bin, os.path.join(out, "checkpoints"), epochs, seed, extra)
+    command = train_command(arch, data_bin, os.path.join(out, "checkpoints"), runs.epochs, seed,
+                            runs.extra)
     with open(os.path.join(out, "command.txt"), "w") as f:
         f.write(shlex.join(command) + "\n")
-    run(command, log, echo=quiet)
+    run(command, log, echo=runs.echo)
     generated = os.path.join(out, "generate.txt")
     run(reverse_task.generate_command(data_bin, os.path.join(out, "checkpoints",
                                                              "checkpoint_best.pt")),
-        os.path.join(out, "generate.log"), output_path=generated, echo=quiet)
+        os.path.join(out, "generate.log"), output_path=generated, echo=runs.echo)
     match = reverse_task.exact_match(reverse_task.read_generate_output(generated))
     return {"task": task, "arch": arch, "seed": seed, "exact_match": match,
             **training_figures(log)}
@@ -155,6 +166,7 @@ def main(argv=None):
     work_dir = os.path.abspath(args.work_dir)
     os.makedirs(work_dir, exist_ok=True)
     quiet = lambda *a, **k: None  # noqa: E731 (each run's command and log are in its folder)
+    runs = Runs(work_dir, args.epochs, extra, quiet)
     print(f"{len(args.tasks)} tasks x {len(ARCHS)} models x {args.seeds} seeds, {args.epochs} "
           f"epochs of {args.train_size} pairs; the command line of a run (only --arch differs):\n"
           f"  {shlex.join(train_command('ARCH', 'DATA', 'SAVE', args.epochs, 1, extra)[1:])}",
@@ -164,7 +176,7 @@ def main(argv=None):
         data_bin = prepare_task(task, work_dir, args.train_size, quiet)
         for seed in range(1, args.seeds + 1):
             for arch in order(seed):
-                r = one_run(task, arch, seed, data_bin, work_dir, args.epochs, extra, quiet)
+                r = one_run(task, arch, seed, data_bin, runs)
                 results.append(r)
                 print(f"  {task:8} {arch:22} seed {seed}: exact match {r['exact_match']:.3f}, "
                       f"valid NLL {r['valid_nll']:.3f}, {r['train_seconds']:.0f} s", flush=True)

@@ -15,52 +15,23 @@ sacreBLEU) and ``prepare.json`` (the settings, for evaluation and translation).
 """
 
 import argparse
+import contextlib
+import dataclasses
 import functools
-import gzip
 import json
 import os
 import re
 import shutil
 import sys
 import tempfile
-import urllib.request
+from typing import Dict, Optional
 
 from ..errors import PrepareError, command
-from ..outputs import MARKER, check_destination, earlier_preparation, own_folder
+from ..outputs import MARKER, check_destination, earlier_preparation
 from ..signals import Stopped
 from . import streaming
 from .common import fairseq_cli, run
-
-# name -> languages, split prefixes, download (url template by file) or bundled directory
-CORPORA = {
-    "multi30k": {
-        "source_lang": "de", "target_lang": "en",
-        "splits": {"train": "train", "valid": "valid", "test": "test2016"},
-        "download": {
-            # Multi30k task 1 raw files (Elliott et al. 2016); non-commercial research terms
-            f"{split}.{lang}": "https://raw.githubusercontent.com/multi30k/dataset/master/data/"
-                               f"task1/raw/{remote}.{lang}.gz"
-            for split, remote in (("train", "train"), ("valid", "val"),
-                                  ("test2016", "test_2016_flickr"))
-            for lang in ("de", "en")
-        },
-    },
-    "iwslt14": {
-        # IWSLT'14 TED talks de-en, as fairseq's examples use it (their mirror of the WIT3 files):
-        # train.tags.de-en.* minus every 23rd line (valid), test = dev2010 + dev2012 + tst2010-12
-        "source_lang": "de", "target_lang": "en",
-        "splits": {"train": "train", "valid": "valid", "test": "test"},
-        "archive": "http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz",
-    },
-    "tatoeba": {
-        "source_lang": "de", "target_lang": "en",
-        "splits": {"train": "train", "valid": "valid", "test": "test"},
-        "bundled": os.path.join("examples", "tatoeba", "data"),  # in this repository's root
-    },
-}
-
-
-
+from .corpora import CORPORA, raw_text
 
 # what a preparation writes into DEST: ours, and fairseq-preprocess's dictionaries, binarised
 # splits (train.de-en.de.bin, valid1.de-en.en.idx, ...; its workers' parts, train.de-en.de.pt1.bin,
@@ -121,116 +92,6 @@ def read_parallel(raw_dir, prefix, src, tgt):
     return [list(streaming.normalised_lines(p)) for p in paths]
 
 
-def fetch(url, directory):
-    """Download url into directory (once); return the file's path."""
-    os.makedirs(directory, exist_ok=True)
-    target = os.path.join(directory, url.rsplit("/", 1)[-1])
-    if not os.path.exists(target):
-        print(f"downloading {url}", flush=True)
-        try:
-            with urllib.request.urlopen(url, timeout=60) as r:
-                data = r.read()
-        except OSError as e:
-            raise PrepareError(f"cannot download {url} ({e}); on a machine without internet "
-                               f"access, pass the raw files with --raw-dir")
-        with open(target + ".part", "wb") as f:
-            f.write(data)
-        os.replace(target + ".part", target)
-    return target
-
-
-def download(corpus, raw_dir):
-    """Fetch a named corpus's raw files into raw_dir (gunzipped)."""
-    os.makedirs(raw_dir, exist_ok=True)
-    for name, url in CORPORA[corpus]["download"].items():
-        target = os.path.join(raw_dir, name)
-        if not os.path.exists(target):
-            downloaded = fetch(url, raw_dir + ".download")
-            with open(downloaded, "rb") as f:
-                data = f.read()
-            try:
-                data = gzip.decompress(data) if url.endswith(".gz") else data
-            except (OSError, EOFError) as e:
-                raise PrepareError(f"{downloaded} is not a whole gzip file ({e}); delete it to "
-                                   f"download it again") from e
-            with open(target + ".part", "wb") as f:
-                f.write(data)
-            os.replace(target + ".part", target)
-
-
-IWSLT_TEST_SETS = ["IWSLT14.TED.dev2010", "IWSLT14.TEDX.dev2012", "IWSLT14.TED.tst2010",
-                   "IWSLT14.TED.tst2011", "IWSLT14.TED.tst2012"]
-IWSLT_META_TAGS = ("<url", "<talkid", "<keywords", "<speaker", "<reviewer", "<translator",
-                   "<doc", "</doc")
-
-
-def _iwslt_train_lines(path):
-    """train.tags.de-en.LANG: drop the talks' metadata lines, keep titles and descriptions."""
-    out = []
-    with open(path, encoding="utf-8", newline="\n") as f:
-        for line in f:
-            line = line.strip()
-            if line.startswith(IWSLT_META_TAGS):
-                continue
-            out.append(re.sub(r"</?(title|description)>", "", line).strip())
-    return out
-
-
-def _iwslt_xml_segments(path):
-    with open(path, encoding="utf-8") as f:
-        return [m.group(1).strip() for m in re.finditer(r"<seg[^>]*>(.*?)</seg>", f.read())]
-
-
-
-
-def iwslt14_to_raw(extracted, raw_dir, src="de", tgt="en", unpack_dir=None):
-    """The extracted de-en/ folder (or the .tgz, unpacked into ``unpack_dir``, by default next
-    to it) -> raw_dir/{train,valid,test}.{de,en}."""
-    import tarfile
-
-    if os.path.isfile(extracted):
-        where = unpack_dir or os.path.dirname(os.path.abspath(extracted))
-        with tarfile.open(extracted) as tar:
-            if hasattr(tarfile, "data_filter"):  # refuse unsafe members where Python can
-                tar.extractall(where, filter="data")
-            else:
-                tar.extractall(where)
-        extracted = os.path.join(where, "de-en")
-    pair = f"{src}-{tgt}"
-    for lang in (src, tgt):
-        names = [f"train.tags.{pair}.{lang}"] + [f"{test}.{pair}.{lang}.xml"
-                                                  for test in IWSLT_TEST_SETS]
-        for path in (os.path.join(extracted, name) for name in names):
-            if not os.path.exists(path):
-                raise PrepareError(f"missing {path}: --raw-dir for iwslt14 is the extracted "
-                                   f"{pair}/ folder (or {pair}.tgz) of IWSLT'14")
-    train = {lang: _iwslt_train_lines(os.path.join(extracted, f"train.tags.{pair}.{lang}"))
-             for lang in (src, tgt)}
-    if len(train[src]) != len(train[tgt]):
-        raise PrepareError(f"IWSLT'14 train.tags files differ in length after cleaning "
-                           f"({len(train[src])} vs {len(train[tgt])})")
-    os.makedirs(raw_dir, exist_ok=True)
-    for lang in (src, tgt):
-        lines = train[lang]
-        test = [seg for name in IWSLT_TEST_SETS
-                for seg in _iwslt_xml_segments(os.path.join(extracted, f"{name}.{pair}.{lang}.xml"))]
-        for split, part in (("train", [x for i, x in enumerate(lines, 1) if i % 23]),
-                            ("valid", [x for i, x in enumerate(lines, 1) if i % 23 == 0]),
-                            ("test", test)):
-            with open(os.path.join(raw_dir, f"{split}.{lang}"), "w", encoding="utf-8") as f:
-                f.writelines(x + "\n" for x in part)
-    return raw_dir
-
-
-def moses_tokenizer(lang):
-    """fairseq's own ``--tokenizer moses`` for ``lang`` (sacremoses with aggressive dash splits and
-    XML escaping, no punctuation normalisation): fairseq-interactive and the hub tokenise new
-    text exactly as the training data was."""
-    from fairseq.data.encoders.moses_tokenizer import MosesTokenizer, MosesTokenizerConfig
-
-    return MosesTokenizer(MosesTokenizerConfig(source_lang=lang, target_lang=lang)).encode
-
-
 def preprocess_summary(line: str):
     """fairseq-preprocess's summary of a binarised file ("[de] .../train.de: 3000 sents, ..."),
     or None."""
@@ -245,99 +106,165 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def prepare(raw_dir, dest, source_lang, target_lang, splits, bpe_merges=8000, workers=None,
-            force=False, shards=1, bpe_sample_lines=None):
-    """Tokenise (fairseq's moses tokenizer), learn and apply joint BPE, and binarise with
-    fairseq-preprocess into DEST, streaming the text in chunks over ``workers`` processes
-    (streaming.py; default: the usable cores); returns the settings written to
-    DEST/prepare.json. Bad input is refused in one line before DEST is touched. ``shards``:
-    the training text binarised as DEST/shard0 ... (valid and test in shard0 and DEST), one
-    dictionary, for fairseq-train DEST/shard0:DEST/shard1:... . ``bpe_sample_lines``: BPE learnt
-    from the first N training pairs."""
-    workers = usable_cores() if workers is None else workers
-    if bpe_merges < 1:
-        raise PrepareError(f"--bpe-merges {bpe_merges}: give a number of merges of at least 1")
-    if workers < 1:
-        raise PrepareError(f"--workers {workers}: give at least 1 process")
-    if shards < 1:
-        raise PrepareError(f"--shards {shards}: give at least 1 shard")
-    if bpe_sample_lines is not None and bpe_sample_lines < 1:
-        raise PrepareError(f"--bpe-sample-lines {bpe_sample_lines}: give at least 1 line")
-    check_languages(source_lang, target_lang)
-    replace = check_destination(dest, raw_dir, force)
-    langs = (source_lang, target_lang)
-    paths = {split: raw_paths(raw_dir, prefix, *langs) for split, prefix in splits.items()}
-    scans = {}
-    for split, pair in paths.items():  # every split read once before anything is written
-        scans[split] = streaming.scan(pair)
-        check_scan(pair, scans[split])
-    dropped = scans["train"].empty_lines
-    if dropped:
-        print(f"train: left out {len(dropped)} pairs with an empty side (lines "
-              f"{', '.join(map(str, dropped[:10]))}{', ...' if len(dropped) > 10 else ''})",
-              file=sys.stderr, flush=True)
-    sizes = {split: (found.kept if split == "train" else found.pairs)
-             for split, found in scans.items()}
-    if shards > sizes["train"]:
-        raise PrepareError(f"--shards {shards}: more shards than the {sizes['train']} training "
-                           f"pairs")
+DEFAULT_SPLITS = {"train": "train", "valid": "valid", "test": "test"}
 
-    window = 2 * workers
-    # the tokenised text beside DEST until BPE is learnt: DEST stays untouched until then
+
+@dataclasses.dataclass
+class Preparation:
+    """What a preparation is asked for (annotated-prepare's flags). ``splits``: each split's
+    file prefix in RAW_DIR; ``workers``: processes for every stage (None: the usable cores);
+    ``shards``: the training text as DEST/shard0 ... (valid and test in shard0 and DEST), one
+    dictionary, for fairseq-train DEST/shard0:DEST/shard1:... ; ``bpe_sample_lines``: BPE learnt
+    from the first N training pairs; ``force``: replace an earlier preparation in DEST."""
+
+    raw_dir: str
+    dest: str
+    source_lang: str
+    target_lang: str
+    splits: Dict[str, str] = dataclasses.field(default_factory=lambda: dict(DEFAULT_SPLITS))
+    bpe_merges: int = 8000
+    workers: Optional[int] = None
+    force: bool = False
+    shards: int = 1
+    bpe_sample_lines: Optional[int] = None
+
+    @property
+    def langs(self):
+        return self.source_lang, self.target_lang
+
+
+def prepare(preparation: Preparation) -> dict:
+    """Tokenise (fairseq's moses tokenizer), learn and apply joint BPE, and binarise with
+    fairseq-preprocess into DEST, streaming the text in chunks over the workers (streaming.py);
+    returns the settings written to DEST/prepare.json. Bad input is refused in one line before
+    DEST is touched: the tokenised text waits beside DEST until BPE is learnt."""
+    p = preparation
+    if p.workers is None:
+        p = dataclasses.replace(p, workers=usable_cores())
+    replace = check(p)
+    splits = scan_splits(p)
+    with streaming.workers(p.workers) as workers, tokenised_aside(p.dest) as tokenised:
+        codes = tokenise_and_learn_bpe(p, splits, tokenised, workers)
+        start_dest(p, splits, replace, codes)
+        for split in splits.values():
+            for lang in p.langs:
+                streaming.apply_bpe(codes, os.path.join(tokenised, f"{split.name}.{lang}"),
+                                    os.path.join(p.dest, "text", f"{split.name}.{lang}"),
+                                    split.pairs, workers, f"apply BPE {split.name}.{lang}")
+    binarise(p.dest, p.langs, p.workers, p.shards, splits["train"].pairs)
+    return write_settings(p, splits, codes)
+
+
+# each number annotated-prepare is given, and what it needs to be
+AT_LEAST_ONE = (("bpe_merges", "--bpe-merges", "give a number of merges of at least 1"),
+                ("workers", "--workers", "give at least 1 process"),
+                ("shards", "--shards", "give at least 1 shard"),
+                ("bpe_sample_lines", "--bpe-sample-lines", "give at least 1 line"))
+
+
+def check(p: Preparation) -> bool:
+    """Refuse bad numbers, language codes and destinations in one line; whether an earlier
+    preparation in DEST is to be replaced."""
+    for field, flag, need in AT_LEAST_ONE:
+        value = getattr(p, field)
+        if value is not None and value < 1:
+            raise PrepareError(f"{flag} {value}: {need}")
+    check_languages(p.source_lang, p.target_lang)
+    return check_destination(p.dest, p.raw_dir, p.force)
+
+
+def scan_splits(p: Preparation) -> Dict[str, streaming.Split]:
+    """Every split read once before anything is written: both sides there, aligned, not empty.
+    The training text leaves out pairs with an empty side (said in a line)."""
+    splits = {}
+    for split, prefix in p.splits.items():
+        paths = raw_paths(p.raw_dir, prefix, *p.langs)
+        found = streaming.scan(paths)
+        check_scan(paths, found)
+        train = split == "train"
+        splits[split] = streaming.Split(split, paths, found.kept if train else found.pairs, train,
+                                        len(found.empty_lines) if train else 0)
+        if train and found.empty_lines:
+            dropped = found.empty_lines
+            print(f"train: left out {len(dropped)} pairs with an empty side (lines "
+                  f"{', '.join(map(str, dropped[:10]))}{', ...' if len(dropped) > 10 else ''})",
+                  file=sys.stderr, flush=True)
+    if p.shards > splits["train"].pairs:
+        raise PrepareError(f"--shards {p.shards}: more shards than the {splits['train'].pairs} "
+                           f"training pairs")
+    return splits
+
+
+@contextlib.contextmanager
+def tokenised_aside(dest):
+    """A temporary folder beside DEST for the tokenised text (DEST untouched until BPE is
+    learnt)."""
     parent = os.path.dirname(os.path.abspath(dest))
     os.makedirs(parent, exist_ok=True)
-    with streaming.pool(workers) as workers_pool, tempfile.TemporaryDirectory(
-            prefix=os.path.basename(os.path.abspath(dest)) + ".tokenised-", dir=parent) as tok:
-        for split, pair in paths.items():
-            counts = streaming.tokenise(
-                pair, [os.path.join(tok, f"{split}.{lang}") for lang in langs], langs,
-                sizes[split], split == "train", workers_pool, window, f"tokenise {split}",
-                count_lines=(min(bpe_sample_lines or sizes["train"], sizes["train"])
-                             if split == "train" else 0))
-            if split == "train":
-                codes = streaming.learn_bpe(counts, bpe_merges, f"learn joint BPE on train."
-                                            f"{source_lang} + train.{target_lang}")
-        learnt = codes.count("\n") - 1  # "#version: 0.2", then a merge per line
-        if learnt < 1:
-            raise PrepareError(f"no pair of symbols occurs twice in train.{source_lang} + "
-                               f"train.{target_lang}, so BPE learnt no merge: give more text")
-        if learnt < bpe_merges:
-            print(f"BPE learnt {learnt} of the {bpe_merges} merges asked for: no other pair of "
-                  f"symbols occurs twice in the training text", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix=os.path.basename(os.path.abspath(dest)) +
+                                     ".tokenised-", dir=parent) as folder:
+        yield folder
 
-        if replace:  # only once the input is known to be good
-            remove_earlier_preparation(dest)
-        os.makedirs(dest, exist_ok=True)
-        open(os.path.join(dest, MARKER), "w").close()
-        text, raw = os.path.join(dest, "text"), os.path.join(dest, "raw")
-        os.makedirs(text)
-        os.makedirs(raw)
-        # raw valid/test text: the references for detokenised sacreBLEU
-        for split in ("valid", "test"):
-            for lang, path in zip(langs, paths[split]):
-                with open(os.path.join(raw, f"{split}.{lang}"), "w", encoding="utf-8") as f:
-                    f.writelines(line + "\n" for line in streaming.normalised_lines(path))
-        with open(os.path.join(dest, "bpe.codes"), "w", encoding="utf-8") as f:
-            f.write(codes)
-        for split in paths:
-            for lang in langs:
-                streaming.apply_bpe(codes, os.path.join(tok, f"{split}.{lang}"),
-                                    os.path.join(text, f"{split}.{lang}"), sizes[split],
-                                    workers_pool, window, f"apply BPE {split}.{lang}")
-    binarise(dest, langs, workers, shards, sizes["train"])
 
-    settings = {"source_lang": source_lang, "target_lang": target_lang, "bpe": "subword_nmt",
-                "bpe_codes": "bpe.codes", "bpe_merges": bpe_merges, "bpe_merges_learnt": learnt,
-                "tokenizer": "moses", "splits": sizes,
-                "train_pairs_left_out_empty": len(dropped)}
-    if bpe_sample_lines:
-        settings["bpe_sample_lines"] = bpe_sample_lines
-    if shards > 1:
-        settings["shards"] = shards
-        settings["data"] = ":".join(os.path.join(dest, f"shard{i}") for i in range(shards))
-    with open(os.path.join(dest, "prepare.json.part"), "w") as f:  # whole, or not at all
+def tokenise_and_learn_bpe(p: Preparation, splits, tokenised, workers) -> str:
+    """Each split tokenised into ``tokenised``; joint BPE codes learnt from the training text's
+    word counts (of its first ``bpe_sample_lines`` pairs); one line when no merge was learnt."""
+    for split in splits.values():
+        count = (min(p.bpe_sample_lines or split.pairs, split.pairs)
+                 if split.name == "train" else 0)
+        counts = streaming.tokenise(split, [os.path.join(tokenised, f"{split.name}.{lang}")
+                                            for lang in p.langs], p.langs, workers, count)
+        if split.name == "train":
+            codes = streaming.learn_bpe(counts, p.bpe_merges, f"learn joint BPE on train."
+                                        f"{p.source_lang} + train.{p.target_lang}")
+    learnt = merges_in(codes)
+    if learnt < 1:
+        raise PrepareError(f"no pair of symbols occurs twice in train.{p.source_lang} + "
+                           f"train.{p.target_lang}, so BPE learnt no merge: give more text")
+    if learnt < p.bpe_merges:
+        print(f"BPE learnt {learnt} of the {p.bpe_merges} merges asked for: no other pair of "
+              f"symbols occurs twice in the training text", file=sys.stderr, flush=True)
+    return codes
+
+
+def merges_in(codes: str) -> int:
+    return codes.count("\n") - 1  # "#version: 0.2", then a merge per line
+
+
+def start_dest(p: Preparation, splits, replace: bool, codes: str) -> None:
+    """DEST, once the input is known to be good: an earlier preparation removed (--force), our
+    marker, text/, raw/ with the raw valid and test text (the references for detokenised
+    sacreBLEU), and bpe.codes."""
+    if replace:
+        remove_earlier_preparation(p.dest)
+    os.makedirs(p.dest, exist_ok=True)
+    open(os.path.join(p.dest, MARKER), "w").close()
+    raw = os.path.join(p.dest, "raw")
+    os.makedirs(os.path.join(p.dest, "text"))
+    os.makedirs(raw)
+    for split in ("valid", "test"):
+        for lang, path in zip(p.langs, splits[split].paths):
+            with open(os.path.join(raw, f"{split}.{lang}"), "w", encoding="utf-8") as f:
+                f.writelines(line + "\n" for line in streaming.normalised_lines(path))
+    with open(os.path.join(p.dest, "bpe.codes"), "w", encoding="utf-8") as f:
+        f.write(codes)
+
+
+def write_settings(p: Preparation, splits, codes: str) -> dict:
+    """DEST/prepare.json (for evaluation and translation), whole or not at all."""
+    settings = {"source_lang": p.source_lang, "target_lang": p.target_lang, "bpe": "subword_nmt",
+                "bpe_codes": "bpe.codes", "bpe_merges": p.bpe_merges,
+                "bpe_merges_learnt": merges_in(codes), "tokenizer": "moses",
+                "splits": {name: split.pairs for name, split in splits.items()},
+                "train_pairs_left_out_empty": splits["train"].left_out}
+    if p.bpe_sample_lines:
+        settings["bpe_sample_lines"] = p.bpe_sample_lines
+    if p.shards > 1:
+        settings["shards"] = p.shards
+        settings["data"] = ":".join(os.path.join(p.dest, f"shard{i}") for i in range(p.shards))
+    with open(os.path.join(p.dest, "prepare.json.part"), "w") as f:
         json.dump(settings, f, indent=2)
-    os.replace(os.path.join(dest, "prepare.json.part"), os.path.join(dest, "prepare.json"))
+    os.replace(os.path.join(p.dest, "prepare.json.part"), os.path.join(p.dest, "prepare.json"))
     return settings
 
 
@@ -392,6 +319,37 @@ def check_languages(source_lang, target_lang) -> None:
 
 @command("annotated-prepare")
 def main(argv=None):
+    parser = argument_parser()
+    args = parser.parse_args(argv)
+    corpus = CORPORA.get(args.corpus, {})
+    src = args.source_lang or corpus.get("source_lang")
+    tgt = args.target_lang or corpus.get("target_lang")
+    if not (src and tgt):
+        parser.error("give --source-lang and --target-lang, or a named --corpus")
+    if not (args.raw_dir or corpus):
+        parser.error("give --raw-dir (or a named --corpus)")
+    splits = {split: getattr(args, split) or prefix
+              for split, prefix in corpus.get("splits", DEFAULT_SPLITS).items()}
+    dest = os.path.normpath(args.dest)  # DEST/ and DEST: DEST.raw, not DEST/.raw
+    try:
+        check_languages(src, tgt)
+        # before anything is fetched, unpacked or converted
+        check_destination(dest, args.raw_dir or corpus.get("bundled") or dest + ".raw",
+                          args.force)
+        raw_dir = raw_text(args.corpus, args.raw_dir, dest, src, tgt)
+        settings = prepare(Preparation(raw_dir, dest, src, tgt, splits, args.bpe_merges,
+                                       args.workers, args.force, args.shards,
+                                       args.bpe_sample_lines))
+    except (KeyboardInterrupt, Stopped) as stop:  # what the rerun should do (command)
+        stop.note = (f"an unfinished preparation is left in {dest}: run the same command with "
+                     f"--force to prepare it again" if earlier_preparation(dest)
+                     else f"nothing was written to {dest}")
+        raise
+    print(f"prepared {dest}: " + ", ".join(f"{s} {n} pairs"
+                                            for s, n in settings["splits"].items()))
+
+
+def argument_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
@@ -412,46 +370,7 @@ def main(argv=None):
     p.add_argument("--bpe-sample-lines", type=int, default=None, metavar="N",
                    help="learn BPE from the first N training pairs (very large corpora)")
     p.add_argument("--force", action="store_true", help="replace an earlier preparation in --dest")
-    args = p.parse_args(argv)
-
-    corpus = CORPORA.get(args.corpus, {})
-    src = args.source_lang or corpus.get("source_lang")
-    tgt = args.target_lang or corpus.get("target_lang")
-    if not (src and tgt):
-        p.error("give --source-lang and --target-lang, or a named --corpus")
-    splits = dict(corpus.get("splits", {"train": "train", "valid": "valid", "test": "test"}))
-    for split in splits:
-        if getattr(args, split):
-            splits[split] = getattr(args, split)
-    raw_dir = args.raw_dir or corpus.get("bundled")
-    dest = os.path.normpath(args.dest)  # DEST/ and DEST: DEST.raw, not DEST/.raw
-    try:
-        check_languages(src, tgt)
-        # before anything is fetched, unpacked or converted
-        check_destination(dest, raw_dir or dest + ".raw", args.force)
-        if "archive" in corpus:  # iwslt14: an archive to fetch (or given) and convert
-            unpacked = own_folder(dest + ".download", "the downloaded and unpacked archive")
-            archive = raw_dir or fetch(corpus["archive"], unpacked)
-            raw_dir = iwslt14_to_raw(archive, own_folder(dest + ".raw", "the converted text"),
-                                     src, tgt, unpack_dir=unpacked)
-        elif args.raw_dir is None and "bundled" in corpus and not os.path.isdir(raw_dir):
-            raise PrepareError(f"--corpus {args.corpus} reads {raw_dir} of this repository, "
-                               f"which is not here: run annotated-prepare in the repository's "
-                               f"root, or pass --raw-dir PATH/{raw_dir}")
-        elif raw_dir is None:
-            if "download" not in corpus:
-                p.error("give --raw-dir (or a named --corpus)")
-            raw_dir = dest + ".raw"
-            download(args.corpus, raw_dir)
-        settings = prepare(raw_dir, dest, src, tgt, splits, args.bpe_merges, args.workers,
-                           args.force, args.shards, args.bpe_sample_lines)
-    except (KeyboardInterrupt, Stopped) as stop:  # what the rerun should do (command)
-        stop.note = (f"an unfinished preparation is left in {dest}: run the same command with "
-                     f"--force to prepare it again" if earlier_preparation(dest)
-                     else f"nothing was written to {dest}")
-        raise
-    print(f"prepared {dest}: " + ", ".join(f"{s} {n} pairs"
-                                            for s, n in settings["splits"].items()))
+    return p
 
 
 if __name__ == "__main__":

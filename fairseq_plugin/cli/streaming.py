@@ -13,6 +13,7 @@ counts, as it learns from a dictionary of counts) and ``apply_bpe``.
 """
 
 import collections
+import contextlib
 import functools
 import gzip
 import io
@@ -21,7 +22,6 @@ import multiprocessing
 import os
 import sys
 from typing import List, NamedTuple
-from unittest import mock
 
 from ..errors import PrepareError
 from ..signals import pool_worker_signals
@@ -78,6 +78,15 @@ class Scan(NamedTuple):
     pairs: int  # all lines
     kept: int  # pairs with both sides
     empty_lines: List[int]  # the first line numbers (from 1) of pairs with an empty side
+
+
+class Split(NamedTuple):
+    """One split of a scanned parallel corpus, as the stages read it."""
+    name: str  # train, valid, test
+    paths: List[str]  # its two files: source side, target side
+    pairs: int  # the pairs the stages write
+    drop_empty: bool  # the pairs with an empty side left out (the training text's)
+    left_out: int = 0  # how many, where drop_empty
 
 
 def scan(paths) -> Scan:
@@ -142,22 +151,42 @@ def pool(workers: int):
     return InProcess() if workers == 1 else multiprocessing.Pool(workers, pool_worker_signals)
 
 
-def in_order(workers_pool, function, items, window: int):
-    """``function(item)`` of each item on the pool, yielded in the items' order, with at most
-    ``window`` items in flight (the input is read no faster than the workers work)."""
+class Workers(NamedTuple):
+    """The processes every stage runs on, and how many chunks may be in flight at once."""
+    pool: object  # multiprocessing.Pool, or InProcess
+    window: int
+
+
+@contextlib.contextmanager
+def workers(n: int):
+    """``n`` worker processes (this process for one) with two chunks each in flight."""
+    with pool(n) as running:
+        yield Workers(running, 2 * n)
+
+
+def in_order(workers: Workers, function, items):
+    """``function(item)`` of each item on the workers, yielded in the items' order, with at most
+    ``workers.window`` items in flight (the input is read no faster than the workers work)."""
     pending = collections.deque()
     for item in items:
-        pending.append(workers_pool.apply_async(function, (item,)))
-        if len(pending) >= window:
+        pending.append(workers.pool.apply_async(function, (item,)))
+        if len(pending) >= workers.window:
             yield pending.popleft().get()
     while pending:
         yield pending.popleft().get()
 
 
+def moses_tokenizer(lang):
+    """fairseq's own ``--tokenizer moses`` for ``lang`` (sacremoses with aggressive dash splits and
+    XML escaping, no punctuation normalisation): fairseq-interactive and the hub tokenise new
+    text exactly as the training data was."""
+    from fairseq.data.encoders.moses_tokenizer import MosesTokenizer, MosesTokenizerConfig
+
+    return MosesTokenizer(MosesTokenizerConfig(source_lang=lang, target_lang=lang)).encode
+
+
 @functools.lru_cache(maxsize=None)
 def _tokenizer(lang):
-    from .prepare import moses_tokenizer
-
     return moses_tokenizer(lang)
 
 
@@ -174,23 +203,22 @@ def tokenise_chunk(job):
     return out
 
 
-def tokenise(paths, out_paths, langs, total: int, drop_empty: bool, workers_pool, window: int,
-             desc: str, count_lines: int = 0):
-    """Tokenise a scanned corpus into ``out_paths``; the word counts of each side's first
+def tokenise(split: Split, out_paths, langs, workers: Workers, count_lines: int = 0):
+    """Tokenise a scanned split into ``out_paths``; the word counts of each side's first
     ``count_lines`` lines (each side's words in the order first seen)."""
     counts = [collections.Counter(), collections.Counter()]
 
     def jobs():
         left = count_lines
-        for sides in pair_chunks(paths, drop_empty):
+        for sides in pair_chunks(split.paths, split.drop_empty):
             counted = min(left, len(sides[0]))
             left -= counted
             yield langs, sides, counted
 
     files = [open(p, "w", encoding="utf-8") for p in out_paths]
     try:
-        with Progress(desc, total, "pairs") as shown:
-            for result in in_order(workers_pool, tokenise_chunk, jobs(), window):
+        with Progress(f"tokenise {split.name}", split.pairs, "pairs") as shown:
+            for result in in_order(workers, tokenise_chunk, jobs()):
                 for f, counter, (text, words) in zip(files, counts, result):
                     f.write(text)
                     counter.update(words)
@@ -227,10 +255,11 @@ def learn_bpe(counts, merges: int, desc: str) -> str:
     codes = io.StringIO()
     if sys.stderr.isatty():  # subword-nmt draws its own bar
         subword_nmt.learn_bpe(vocabulary, codes, merges, is_dict=True)
-    else:  # our lines instead of its bar (one line of carriage returns in a log)
-        without_bar = lambda iterable, *args, **kwargs: iterable  # noqa: E731
+    else:  # our lines instead of its bar, which would be one line of carriage returns in a
+        # log: subword-nmt's stderr (its bar, and its note when it stops early, which the
+        # preparation gives in its own words) goes to nothing while it learns
         with Progress(desc, merges, "merges") as shown, \
-                mock.patch.object(subword_nmt, "tqdm", without_bar):
+                contextlib.redirect_stderr(io.StringIO()):
             subword_nmt.learn_bpe(vocabulary, CountingMerges(codes, shown), merges, is_dict=True)
     return codes.getvalue()
 
@@ -248,12 +277,12 @@ def bpe_chunk(job):
     return "".join(_bpe[1].process_line(line.rstrip("\n")) + "\n" for line in lines)
 
 
-def apply_bpe(codes: str, in_path: str, out_path: str, total: int, workers_pool, window: int,
+def apply_bpe(codes: str, in_path: str, out_path: str, total: int, workers: Workers,
               desc: str) -> None:
     with open(in_path, encoding="utf-8", newline="\n") as f, \
             open(out_path, "w", encoding="utf-8") as out, Progress(desc, total) as shown:
         jobs = ((codes, chunk) for chunk in chunks(f))
-        for text in in_order(workers_pool, bpe_chunk, jobs, window):
+        for text in in_order(workers, bpe_chunk, jobs):
             out.write(text)
             shown.update(text.count("\n"))
 

@@ -111,8 +111,8 @@ class AnnotatedTransformerModel(FairseqEncoderDecoderModel):
                     for _ in range(args.decoder_layers)],
             norm=nn.LayerNorm(d) if pre_ln else None,
             generator=Generator(d, len(tgt_dict), tgt_tokens.lut.weight if share_output else None),
-            skip_padding=not args.no_packing, attention_backends=backends,
-            beam=encoder.beam)
+            skip_padding=not args.no_packing, attention_backends=backends)
+        decoder.beam = encoder.beam  # one beam-search state for the model (modules/beam.py)
         model = cls(encoder, decoder)
         # which words the embeddings' rows stand for: a buffer, so checkpoints keep it
         model.register_buffer(FINGERPRINT, dictionary_fingerprint(src_dict, tgt_dict))

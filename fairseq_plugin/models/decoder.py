@@ -48,7 +48,7 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
 
     def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[DecoderLayer],
                  norm: Optional[nn.LayerNorm], generator: Generator, skip_padding: bool = True,
-                 attention_backends: str = NO_CUDNN, beam: Optional[BeamSearchState] = None):
+                 attention_backends: str = NO_CUDNN):
         super().__init__(dictionary)
         self.padding_idx = dictionary.pad()
         self.embed = embed  # the notebook's tgt_embed: Embeddings and PositionalEncoding
@@ -65,8 +65,8 @@ class AnnotatedTransformerDecoder(FairseqIncrementalDecoder):
         # transformer always does (the hub's hypotheses, --print-alignment); False: the fused
         # kernel in every attention (tests, the cache benchmark's baseline)
         self.need_attn = True
-        # beam search's state: the encoder's (make_model; modules/beam.py), its own built alone
-        self.beam = beam if beam is not None else BeamSearchState()
+        # beam search's state (modules/beam.py): make_model gives it the encoder's
+        self.beam = BeamSearchState()
 
     def forward(
         self,

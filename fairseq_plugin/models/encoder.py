@@ -25,7 +25,7 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
 
     def __init__(self, dictionary, embed: EmbeddingLayer, layers: List[EncoderLayer],
                  norm: Optional[nn.LayerNorm], skip_padding: bool = True,
-                 attention_backends: str = NO_CUDNN, beam: Optional[BeamSearchState] = None):
+                 attention_backends: str = NO_CUDNN):
         super().__init__(dictionary)
         self.padding_idx = dictionary.pad()
         self.embed = embed  # the notebook's src_embed: Embeddings and PositionalEncoding
@@ -38,7 +38,7 @@ class AnnotatedTransformerEncoder(FairseqEncoder):
         # --fused-attention-backends: where torch's fused attention may run, during the layers
         self.attention_backends = check_backends(attention_backends)
         # beam search's state, shared with the decoder (make_model; modules/beam.py)
-        self.beam = beam if beam is not None else BeamSearchState()
+        self.beam = BeamSearchState()
 
     def forward(self, src_tokens: Tensor, src_lengths: Optional[Tensor] = None,
                 return_all_hiddens: bool = False, **unused):
