@@ -230,6 +230,17 @@ def _seed():
     torch.manual_seed(0)
 
 
+def tiny_training(data_bin, save_dir, *extra):
+    """fairseq-train's arguments for the tiny model on ``data_bin``: the plugin's
+    annotated_transformer_tiny with shared embeddings, label smoothing, Adam under the Noam rate
+    (10 warm-up updates), 1,000 tokens a batch, on the CPU; then ``extra`` (where a flag comes
+    twice, fairseq takes its last value)."""
+    return [str(data_bin), "--user-dir", PLUGIN_DIR, "--arch", "annotated_transformer_tiny",
+            "--share-all-embeddings", "--criterion", "annotated_label_smoothing",
+            "--optimizer", "adam", "--lr-scheduler", "noam", "--warmup-updates", "10",
+            "--max-tokens", "1000", "--cpu", "--save-dir", str(save_dir), *map(str, extra)]
+
+
 def exit_code(main, *args, **kwargs):
     """What ``main(*args, **kwargs)`` exits with: SystemExit's code (an exit status, or the
     one-line message a command ends with); the test fails if it returns instead."""
@@ -337,11 +348,9 @@ def trained(prepared):
     """annotated_transformer_tiny, 2 epochs with epoch checkpoints."""
     w, _ = prepared
     ckpt = w / "checkpoints"
-    cli("fairseq-train", w / "bin", "--user-dir", PLUGIN_DIR, "--arch", "annotated_transformer_tiny",
-        "--share-all-embeddings", "--criterion", "annotated_label_smoothing",
-        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr-scheduler", "noam",
-        "--warmup-updates", "50", "--max-tokens", "2048", "--max-epoch", "2", "--seed", "1",
-        "--save-dir", ckpt, "--cpu")
+    cli("fairseq-train", *tiny_training(w / "bin", ckpt, "--adam-betas", "(0.9, 0.98)",
+                                        "--warmup-updates", "50", "--max-tokens", "2048",
+                                        "--max-epoch", "2", "--seed", "1"))
     return w, ckpt
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from fairseq.data import Dictionary, data_utils
 
-from conftest import PLUGIN_DIR, assert_one_line_error, cli, reverse_data_bin
+from conftest import PLUGIN_DIR, assert_one_line_error, cli, reverse_data_bin, tiny_training
 from fairseq_plugin import PluginError, data_bin as checks, fairseq_changes
 
 
@@ -31,20 +31,15 @@ def cut_short(data_bin, tmp_path, name, by):
 @pytest.mark.main_lane  # (the second lane: the check against its fairseq's loader, below)
 def test_a_bin_cut_short_stops_training_and_decoding_before_they_start(whole, tmp_path):
     train = cut_short(whole, tmp_path, "train.src-tgt.src.bin", 10)
-    proc = cli("fairseq-train", train, "--user-dir", PLUGIN_DIR, "--arch",
-               "annotated_transformer_tiny", "--share-all-embeddings", "--optimizer", "adam",
-               "--lr-scheduler", "noam", "--max-tokens", "1000", "--max-epoch", "1", "--cpu",
-               "--save-dir", tmp_path / "checkpoints", check=False)
+    proc = cli("fairseq-train", *tiny_training(train, tmp_path / "checkpoints", "--max-epoch", "1"),
+               check=False)
     line = assert_one_line_error(
         proc, f"the data-bin's split {train}/train.src-tgt.src is damaged: ",
         f"{train}/train.src-tgt.src.idx puts its 300 sentences in ",
         f"bytes of {train}/train.src-tgt.src.bin, which holds ", "binarise it again")
     assert proc.returncode == 1 and "num_updates" not in proc.stdout + proc.stderr, line
     test = cut_short(whole, tmp_path / "t", "test.src-tgt.tgt.bin", 1)
-    model = cli("fairseq-train", whole, "--user-dir", PLUGIN_DIR, "--arch",
-                "annotated_transformer_tiny", "--share-all-embeddings", "--optimizer", "adam",
-                "--lr-scheduler", "noam", "--max-tokens", "1000", "--max-update", "1", "--cpu",
-                "--save-dir", tmp_path / "model")
+    model = cli("fairseq-train", *tiny_training(whole, tmp_path / "model", "--max-update", "1"))
     assert model.returncode == 0
     proc = cli("fairseq-generate", test, "--user-dir", PLUGIN_DIR, "--path",
                tmp_path / "model" / "checkpoint_last.pt", "--cpu", "--max-tokens", "1000",

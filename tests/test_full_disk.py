@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from fairseq import checkpoint_utils
 
-from conftest import PLUGIN_DIR, assert_one_line_error, cli
+from conftest import assert_one_line_error, cli, tiny_training
 from fairseq_plugin import PluginError, checkpoints, fairseq_changes
 
 
@@ -21,12 +21,9 @@ DATA_BIN = {"train": 200, "valid": 20}  # the reverse task's pairs (conftest: da
 
 
 def train(data_bin, save_dir, epochs):
-    return cli("fairseq-train", data_bin, "--user-dir", PLUGIN_DIR, "--arch",
-               "annotated_transformer_tiny", "--share-all-embeddings", "--dropout", "0",
-               "--criterion", "annotated_label_smoothing", "--optimizer", "adam",
-               "--lr-scheduler", "noam", "--warmup-updates", "10", "--max-tokens", "1000",
-               "--seed", "1", "--cpu", "--max-epoch", epochs, "--no-epoch-checkpoints",
-               "--save-dir", save_dir, "--log-format", "simple", check=False)
+    return cli("fairseq-train", *tiny_training(data_bin, save_dir, "--dropout", "0", "--seed", "1",
+                                               "--max-epoch", epochs, "--no-epoch-checkpoints",
+                                               "--log-format", "simple"), check=False)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from conftest import PLUGIN_DIR, cli
+from conftest import cli, tiny_training
 from test_distributed import free_port, torchrun_node
 from fairseq_plugin import PluginError, checkpoints, fairseq_changes, preemption
 
@@ -34,13 +34,10 @@ DATA_BIN = {"train": 1000, "valid": 50}  # the reverse task's pairs (conftest: d
 
 
 def command(data_bin, save_dir, *extra):
-    return [os.path.join(os.path.dirname(sys.executable), "fairseq-train"), str(data_bin),
-            "--user-dir", PLUGIN_DIR, "--arch", "annotated_transformer_tiny",
-            "--share-all-embeddings", "--dropout", "0", "--criterion",
-            "annotated_label_smoothing", "--optimizer", "adam", "--lr-scheduler", "noam",
-            "--warmup-updates", "10", "--max-tokens", "1000", "--seed", "5", "--cpu",
-            "--save-dir", str(save_dir), "--log-format", "json", "--log-interval", "1",
-            "--num-workers", "0", "--disable-validation", *extra]
+    return [os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
+            *tiny_training(data_bin, save_dir, "--dropout", "0", "--seed", "5", "--log-format",
+                           "json", "--log-interval", "1", "--num-workers", "0",
+                           "--disable-validation", *extra)]
 
 
 def updates_logged(log: str):

@@ -13,7 +13,7 @@ import time
 import pytest
 from fairseq import checkpoint_utils
 
-from conftest import PLUGIN_DIR, BackgroundCli, assert_one_line_error, cli
+from conftest import PLUGIN_DIR, BackgroundCli, assert_one_line_error, cli, tiny_training
 from fairseq_plugin import PluginError, fairseq_changes, run_dir
 
 
@@ -21,11 +21,8 @@ DATA_BIN = {"train": 1000, "valid": 50, "test": 20}  # the reverse task's pairs 
 
 
 def train_args(data_bin, save_dir, *extra):
-    return [data_bin, "--user-dir", PLUGIN_DIR, "--arch", "annotated_transformer_tiny",
-            "--share-all-embeddings", "--criterion", "annotated_label_smoothing",
-            "--optimizer", "adam", "--lr-scheduler", "noam", "--warmup-updates", "10",
-            "--max-tokens", "1000", "--seed", "1", "--cpu", "--save-dir", save_dir,
-            "--no-epoch-checkpoints", "--log-format", "simple", *extra]
+    return tiny_training(data_bin, save_dir, "--seed", "1", "--no-epoch-checkpoints",
+                         "--log-format", "simple", *extra)
 
 
 def wait_for(condition, what, timeout=120):

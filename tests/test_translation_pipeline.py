@@ -796,7 +796,7 @@ def test_prepare_refuses_bad_languages_workers_and_unreadable_files_before_writi
             arguments["target_lang"],
             {"train": "train", "valid": "valid", "test": "test"},
             workers=arguments["workers"]))
-    assert str(refused) == message.format(raw=raw)
+    assert str(refused.value) == message.format(raw=raw)
     assert not (tmp_path / "bin").exists()
 
 
