@@ -116,7 +116,8 @@ def stamp(notebook, seconds, full, smoke_test=False):
     import nbformat
 
     run = ("its full run (WALKTHROUGH_FULL=1)" if full else
-           "the test suite's short run (its Tatoeba model trains 60 updates)" if smoke_test else
+           "the test suite's short run (its Tatoeba model trains 60 updates and decodes at most "
+           "30 tokens)" if smoke_test else
            "its default run (`WALKTHROUGH_FULL=1 make page` builds from the full one)")
     made = commit()
     text = (f"*This page was built by `make page` on {datetime.date.today():%Y-%m-%d}"
