@@ -258,8 +258,8 @@ def learn_bpe(counts, merges: int, desc: str) -> str:
     else:  # our lines instead of its bar, which would be one line of carriage returns in a
         # log: subword-nmt's stderr (its bar, and its note when it stops early, which the
         # preparation gives in its own words) goes to nothing while it learns
-        with Progress(desc, merges, "merges") as shown, \
-                contextlib.redirect_stderr(io.StringIO()):
+        with Progress(desc, merges, "merges") as shown, open(os.devnull, "w") as nothing, \
+                contextlib.redirect_stderr(nothing):
             subword_nmt.learn_bpe(vocabulary, CountingMerges(codes, shown), merges, is_dict=True)
     return codes.getvalue()
 
