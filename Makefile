@@ -35,7 +35,7 @@ LANE310 = VENV=$(VENV310) PYTHON=$(PYTHON310) TORCH="$(TORCH310)" TORCH_INDEX= P
 # trained model together: tests/conftest.py). They take the files in this order: the two that
 # use the reverse task's model first (its training starts at once), then the longest (the walkthrough
 # runs in the main lane only), then the rest, short ones to fill the end. On 2 cores both lanes'
-# tests took about 25 minutes so (17 + 7.5).
+# tests took 22 to 25 minutes so (15-17.5 + 7).
 TEST_WORKERS ?= 2
 PYTEST = OMP_NUM_THREADS=1 $(1)/bin/python -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --no-loadscope-reorder
 TESTS_WALKTHROUGH = tests/test_walkthrough.py

@@ -24,9 +24,9 @@ FINISHED = "benchmark child: the command finished with exit status 0"
 PRINTED = "cuda peak MB"  # the GPU's peak line at exit: then MiB, then when it came
 
 
-def child_import(name: str, folder: str = HERE) -> str:
-    """Python code that imports FOLDER/NAME.py by its path, as a module of its own."""
-    path = os.path.join(folder, f"{name}.py")
+def child_import(name: str) -> str:
+    """Python code that imports benchmark/NAME.py by its path, as a module of its own."""
+    path = os.path.join(HERE, f"{name}.py")
     return (f"spec = importlib.util.spec_from_file_location({name!r}, {path!r}); "
             f"{name} = importlib.util.module_from_spec(spec); spec.loader.exec_module({name}); ")
 
